@@ -1,0 +1,3 @@
+"""skyrl: Ray-orchestrated PPO/GRPO training for language-model agents."""
+
+__version__ = "0.1.0"
