@@ -32,6 +32,7 @@ from skyrl.train.algorithms.reductions import (
     masked_mean,
     num_micro_batches,
     reduce_loss,
+    reduction_counts,
 )
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
     "num_micro_batches",
     "ppo_clip_loss",
     "reduce_loss",
+    "reduction_counts",
     "register_advantage_estimator",
     "register_policy_loss",
     "reinforce_plus_plus",

@@ -64,21 +64,35 @@ def reduce_loss(
     return masked_mean(per_sequence, mask.sum(-1) > 0)
 
 
+def reduction_counts(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[masked tokens, sequences with any masked token] of `loss_mask`, as a float64 tensor.
+
+    Counts add up over any split of the rows, so a DP rank holding only its share
+    gets the whole mini-batch's counts by summing this over ranks (all-reduce).
+    """
+    mask = loss_mask.to(torch.float64)
+    return torch.stack([mask.sum(), (mask.sum(-1) > 0).sum().to(torch.float64)])
+
+
 def loss_scale_for_reduction(
-    loss_mask: torch.Tensor, reduction: str, max_seq_len: int | None = None
+    loss_mask: torch.Tensor,
+    reduction: str,
+    max_seq_len: int | None = None,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token weights [N, R] such that `(per_token_loss * scale).sum() == reduce_loss(...)`.
 
-    Compute it once on the whole (padded) mini-batch; any split of its rows
-    then sums to the same loss and gradient (see the module docstring).
+    Compute it on the whole (padded) mini-batch, or on one rank's share with
+    `counts` = the sum of `reduction_counts` over all shares; any split of the
+    rows then sums to the same loss and gradient (see the module docstring).
     token_mean: mask / masked tokens; sequence_mean: mask / (sequences * the
     row's masked tokens); seq_mean_token_sum_norm: mask / (sequences * max_seq_len).
     """
     _check_reduction(reduction, max_seq_len)
     mask = loss_mask if loss_mask.is_floating_point() else loss_mask.float()
+    num_tokens, num_sequences = (reduction_counts(mask) if counts is None else counts).clamp(min=1).tolist()
     if reduction == "token_mean":
-        return mask / mask.sum().clamp(min=1)
-    num_sequences = (mask.sum(-1) > 0).sum().clamp(min=1)
+        return mask / num_tokens
     if reduction == "sequence_mean":
         return mask / (num_sequences * mask.sum(-1, keepdim=True).clamp(min=1))
     return mask / (num_sequences * max_seq_len)

@@ -10,6 +10,7 @@ from skyrl.train.algorithms import (
     loss_scale_for_reduction,
     num_micro_batches,
     reduce_loss,
+    reduction_counts,
 )
 from skyrl.train.training_batch import TrainingInputBatch, pad_training_input_batch
 
@@ -171,3 +172,14 @@ def test_iter_micro_batches_yields_consecutive_slices_with_a_ragged_last_one():
     assert [len(m) for m in micro] == [3, 3, 1]
     assert [m.metadata["uids"] for m in micro] == [["u0", "u1", "u2"], ["u3", "u4", "u5"], ["u6"]]
     torch.testing.assert_close(torch.cat([m["log_probs"] for m in micro]), batch["log_probs"])
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_scale_from_summed_shard_counts_equals_the_whole_batch_scale(reduction):
+    mask = (torch.rand(7, 5, generator=torch.Generator().manual_seed(3)) > 0.4).to(F64)
+    mask[4] = 0  # a pad-like row
+    whole = loss_scale_for_reduction(mask, reduction, max_seq_len=5)
+    shards = [mask[:3], mask[3:5], mask[5:]]
+    counts = sum(reduction_counts(s) for s in shards)
+    per_shard = torch.cat([loss_scale_for_reduction(s, reduction, 5, counts=counts) for s in shards])
+    torch.testing.assert_close(per_shard, whole)

@@ -1,0 +1,146 @@
+"""Train the tiny model for 2 optimizer steps on DP=1 and on DP=2 and compare.
+
+The batch is step-wise with a variable number of turns per episode, so
+mini-batches hold odd row counts and get padded for DP=2. Prints per-quantity
+relative differences; the LAST line is the largest of the loss, grad-norm and
+gradient relative differences (reviews read it).
+
+Usage: python scripts/check_dp_equivalence.py [--model PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+from dataclasses import dataclass
+
+import ray
+import torch
+
+from skyrl.train.algorithms import compute_stepwise_advantages
+from skyrl.train.dataset.preprocess import (
+    Trajectory,
+    Turn,
+    collate_sequences,
+    compute_prompt_mini_batch_boundaries,
+    trajectories_to_sequences,
+)
+from skyrl.train.training_batch import TrainingInputBatch
+from skyrl.train.workers.actor_group import ActorGroup, create_placement_group
+from skyrl.train.workers.fsdp_worker import OptimizerConfig, PolicyWorker, WorkerConfig
+
+NUM_PROMPTS, SAMPLES, MINI_BATCH = 4, 2, 2
+
+
+def stepwise_batch(vocab_size: int, seed: int = 0) -> tuple[TrainingInputBatch, list[tuple[int, int]]]:
+    """Random multi-turn episodes (1-3 turns), rewards 0/1, GRPO step-wise advantages."""
+    rng = random.Random(seed)
+    trajectories = []
+    for p in range(NUM_PROMPTS):
+        prompt = [rng.randrange(3, vocab_size) for _ in range(rng.randint(4, 10))]
+        for s in range(SAMPLES):
+            context, turns = list(prompt), []
+            for _ in range(rng.randint(1, 3)):
+                response = [rng.randrange(3, vocab_size) for _ in range(rng.randint(2, 6))]
+                turns.append(Turn(list(context), response, [0.0] * len(response), [1] * len(response)))
+                context += response + [rng.randrange(3, vocab_size) for _ in range(3)]
+            turns[-1].reward = float(rng.random() < 0.5)
+            trajectories.append(Trajectory(f"p{p}", f"p{p}/{s}", turns))
+    batch = collate_sequences(trajectories_to_sequences(trajectories, step_wise=True), pad_token_id=0)
+    advantages, _ = compute_stepwise_advantages(
+        "grpo",
+        batch["rewards"],
+        batch["response_mask"],
+        batch.metadata["uids"],
+        batch.metadata["trajectory_ids"],
+        batch.metadata["is_last_step"],
+    )
+    batch["advantages"] = advantages
+    bounds = compute_prompt_mini_batch_boundaries(
+        batch.metadata["uids"], MINI_BATCH, NUM_PROMPTS, True, SAMPLES
+    )
+    return batch, bounds
+
+
+@dataclass
+class RunResult:
+    losses: list[float]
+    grad_norms: list[float]
+    gradients: list[torch.Tensor]
+    update: torch.Tensor  # parameters after the steps minus before, flattened
+    num_mini_batches: int
+
+
+def flat(state: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([state[k].flatten().double() for k in sorted(state)])
+
+
+def train_two_steps(
+    model_path: str, dp_size: int, micro_batch_size: int = 2, balance: bool = False, delay_split: bool = False
+) -> RunResult:
+    """Two optimizer steps (one per mini-batch) on a fresh actor group of `dp_size` ranks."""
+    from transformers import AutoConfig
+
+    cfg = WorkerConfig(
+        model_path=model_path,
+        optimizer=OptimizerConfig(lr=1e-3, max_grad_norm=1.0),
+        micro_train_batch_size=micro_batch_size,
+        micro_forward_batch_size=micro_batch_size,
+    )
+    batch, bounds = stepwise_batch(AutoConfig.from_pretrained(model_path).vocab_size)
+    pg = create_placement_group(dp_size)
+    group = ActorGroup(PolicyWorker, cfg, dp_size, pg)
+    try:
+        before = flat(group.full_state_dict())
+        batch["old_logprobs"] = group.forward(batch, bounds, balance, delay_split)["logprobs"]
+        losses, norms, grads = [], [], []
+        for bound in bounds:
+            (metrics,) = group.train(batch, [bound], balance, delay_split)
+            losses.append(metrics["loss"])
+            norms.append(metrics["grad_norm"])
+            grads.append(group.run("gradient_vector")[0])
+        update = flat(group.full_state_dict()) - before
+    finally:
+        group.kill()
+        ray.util.remove_placement_group(pg)
+    return RunResult(losses, norms, grads, update, len(bounds))
+
+
+def relative_differences(a: RunResult, b: RunResult) -> dict[str, float]:
+    def rel(x: torch.Tensor, y: torch.Tensor) -> float:
+        return ((x - y).norm() / x.norm().clamp(min=1e-30)).item()
+
+    return {
+        "loss": max(rel(torch.tensor(x), torch.tensor(y)) for x, y in zip(a.losses, b.losses, strict=True)),
+        "grad_norm": max(
+            rel(torch.tensor(x), torch.tensor(y)) for x, y in zip(a.grad_norms, b.grad_norms, strict=True)
+        ),
+        "gradient": max(rel(x.double(), y.double()) for x, y in zip(a.gradients, b.gradients, strict=True)),
+        "param_update": rel(a.update, b.update),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", help="model directory (default: a fresh tiny model)")
+    args = parser.parse_args()
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="warning")
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model is None:
+            from skyrl.train.utils.tiny_model import create_tiny_model
+
+            args.model = str(create_tiny_model(tmp))
+        dp1, dp2 = train_two_steps(args.model, 1), train_two_steps(args.model, 2)
+    diffs = relative_differences(dp1, dp2)
+    print(f"losses DP=1 {dp1.losses} DP=2 {dp2.losses}")
+    print(f"grad norms DP=1 {dp1.grad_norms} DP=2 {dp2.grad_norms}")
+    for name, value in diffs.items():
+        print(f"relative difference {name}: {value:.3e}")
+    print(f"{max(diffs['loss'], diffs['grad_norm'], diffs['gradient']):.3e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""The default tiny model: a Qwen2-style causal LM and tokenizer built locally, no network.
+
+It is written to a directory with `save_pretrained` and then loaded like any real
+model (`AutoModelForCausalLM.from_pretrained`, `AutoTokenizer.from_pretrained`,
+vLLM), so every code path is the one a real checkpoint takes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+# Qwen-style chat format; the generation prompt opens an assistant turn.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Byte-level BPE merges are learned from this text, so common words and numbers are single tokens.
+CORPUS = [
+    "system user assistant tool",
+    "Guess the hidden number between 1 and 100. Answer with a number.",
+    "higher lower correct wrong Too high. Too low. Correct! You win. You lose. Invalid guess.",
+    "Compute the expression. Use the calculator tool: <tool>3 * (4 + 5)</tool> <answer>27</answer>",
+    "What is the answer? The answer is #### 42 \\boxed{42}",
+    "plus minus times divided by equals result error",
+    " ".join(str(i) for i in range(1001)),
+]
+TINY_MODEL_VERSION = "tiny-qwen2-v1"
+
+
+def create_tiny_model(
+    path: str | os.PathLike,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    intermediate_size: int = 256,
+    vocab_size: int = 512,
+    seed: int = 0,
+) -> Path:
+    """Write a randomly initialised Qwen2 model and its tokenizer to `path`; returns the path.
+
+    head_dim = hidden_size / num_heads must be one vLLM's CPU attention supports
+    (32, 64, 80, 96, 112, 128, ...); the default is 32. Deterministic for a seed.
+    """
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    path = Path(path)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer=trainer)
+    hf_tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+    config = Qwen2Config(
+        vocab_size=len(hf_tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=hf_tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=hf_tokenizer.eos_token_id,
+        pad_token_id=hf_tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = hf_tokenizer.eos_token_id
+    model.generation_config.pad_token_id = hf_tokenizer.pad_token_id
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    hf_tokenizer.save_pretrained(path)
+    return path
+
+
+def default_tiny_model_path() -> Path:
+    """The default model's directory under `$SKYRL_CACHE` (default `~/.cache/skyrl`), created once."""
+    root = Path(os.environ.get("SKYRL_CACHE", Path.home() / ".cache" / "skyrl"))
+    path = root / TINY_MODEL_VERSION
+    if not (path / "config.json").exists():
+        tmp = root / f"{TINY_MODEL_VERSION}.tmp{os.getpid()}"
+        create_tiny_model(tmp)
+        try:
+            tmp.rename(path)  # atomic: concurrent creators race, one wins
+        except OSError:
+            shutil.rmtree(tmp)
+    return path

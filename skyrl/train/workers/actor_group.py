@@ -1,0 +1,154 @@
+"""Ray actor groups on placement groups: N workers with ranks, a world size and a rendezvous.
+
+Colocated layout: several groups (policy, reference, engines) share one placement
+group, each actor taking a fraction of a bundle. Disaggregated: each group gets
+its own placement group. Multi-node needs nothing more than a Ray cluster
+(`ray start --head` / `ray start --address`): bundles land on whichever nodes
+have the resources.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from skyrl.train.training_batch import TrainingInputBatch
+from skyrl.train.workers.dispatch import MeshDispatch, StagedMiniBatch
+from skyrl.train.workers.fsdp_worker import CHECKPOINT_DONE, FSDPWorker, WorkerConfig
+
+
+def create_placement_group(
+    num_bundles: int, cpus_per_bundle: float = 1, gpus_per_bundle: float = 0, timeout_s: float = 60
+) -> PlacementGroup:
+    """`num_bundles` bundles of {CPU, GPU}, packed; a clear error if Ray cannot place them in time."""
+    bundle = {"CPU": cpus_per_bundle, **({"GPU": gpus_per_bundle} if gpus_per_bundle else {})}
+    pg = placement_group([dict(bundle) for _ in range(num_bundles)], strategy="PACK")
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except GetTimeoutError as e:
+        remove_placement_group(pg)
+        raise RuntimeError(
+            f"Ray could not place {num_bundles} bundles of {bundle} within {timeout_s:.0f} s: the cluster has "
+            f"{ray.cluster_resources()} in total and {ray.available_resources()} free. Use fewer workers, "
+            "smaller bundles, or add nodes (ray start --address=...)."
+        ) from e
+    return pg
+
+
+def _free_port() -> tuple[str, int]:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+
+class ActorGroup:
+    """`num_workers` actors of one FSDP worker class, rank i on bundle `bundle_offset + i`.
+
+    `resource_fraction` of each bundle's CPU/GPU goes to each actor (1.0: the bundle
+    is theirs; 0.5: another group can be colocated on the same bundles).
+    """
+
+    def __init__(
+        self,
+        worker_cls: type[FSDPWorker],
+        cfg: WorkerConfig,
+        num_workers: int,
+        pg: PlacementGroup,
+        bundle_offset: int = 0,
+        resource_fraction: float = 1.0,
+        timeout_s: float = 300,
+    ):
+        self.num_workers, self.timeout_s = num_workers, timeout_s
+        bundle = pg.bundle_specs[bundle_offset]
+        remote_cls = ray.remote(worker_cls)
+        self.actors = [
+            remote_cls.options(
+                num_cpus=bundle.get("CPU", 0) * resource_fraction,
+                num_gpus=bundle.get("GPU", 0) * resource_fraction,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=bundle_offset + rank
+                ),
+            ).remote(cfg, rank, num_workers)
+            for rank in range(num_workers)
+        ]
+        master_addr, master_port = self._get(self.actors[0].__ray_call__.remote(lambda _: _free_port()))
+        self.run("init_process_group", master_addr, master_port)
+        self.run("init_model")
+
+    def _get(self, refs: Any) -> Any:
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except GetTimeoutError as e:
+            raise RuntimeError(
+                f"workers did not answer within {self.timeout_s:.0f} s (free resources: "
+                f"{ray.available_resources()}); an actor may be waiting for resources or a collective hung"
+            ) from e
+
+    def run(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call `method(*args, **kwargs)` on every rank and wait for all results."""
+        return self._get([getattr(actor, method).remote(*args, **kwargs) for actor in self.actors])
+
+    def _run_staged(
+        self, method: str, staged: StagedMiniBatch, balance: bool, delay_split: bool
+    ) -> list[Any]:
+        extra = {"dp_size": self.num_workers, "balance": balance} if delay_split else {}
+        return self._get(
+            [getattr(actor, method).remote(staged[rank], **extra) for rank, actor in enumerate(self.actors)]
+        )
+
+    def forward(
+        self,
+        data: TrainingInputBatch,
+        mini_batch_boundaries: Sequence[tuple[int, int]],
+        balance: bool = False,
+        delay_split: bool = False,
+    ) -> TrainingInputBatch:
+        """Per-row forward outputs (`logprobs` or `values`) for `data`, staged per mini-batch, pads removed."""
+        staged = MeshDispatch.stage_chunks(
+            self.num_workers, data, mini_batch_boundaries, balance, delay_split
+        )
+        outputs = [self._run_staged("forward", mini, balance, delay_split) for mini in staged]
+        return MeshDispatch.gather(staged, outputs)
+
+    def train(
+        self,
+        data: TrainingInputBatch,
+        mini_batch_boundaries: Sequence[tuple[int, int]],
+        balance: bool = False,
+        delay_split: bool = False,
+    ) -> list[dict[str, float]]:
+        """One optimizer step per mini-batch; rank 0's metrics of each step."""
+        staged = MeshDispatch.stage_chunks(
+            self.num_workers, data, mini_batch_boundaries, balance, delay_split
+        )
+        return [self._run_staged("train_mini_batch", mini, balance, delay_split)[0] for mini in staged]
+
+    def save_checkpoint(self, path: str | Path) -> None:
+        self.run("save_checkpoint", str(path))
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        self.run("load_checkpoint", str(path))
+
+    def full_state_dict(self) -> dict:
+        return self.run("full_state_dict")[0]
+
+    def kill(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
+
+
+def latest_checkpoint(root: str | Path, prefix: str = "global_step_") -> Path | None:
+    """The complete checkpoint `root/<prefix>N` with the largest N; half-written ones are skipped."""
+    complete = [
+        p
+        for p in Path(root).glob(f"{prefix}*")
+        if p.is_dir() and p.name[len(prefix) :].isdigit() and (p / CHECKPOINT_DONE).exists()
+    ]
+    return max(complete, key=lambda p: int(p.name[len(prefix) :]), default=None)

@@ -1,0 +1,426 @@
+"""FSDP2 training workers: policy, reference and critic, one process per data-parallel rank.
+
+Each worker is a plain class; `ActorGroup` runs N of them as Ray actors. The
+same code runs gloo + fp32 on CPU and NCCL + bf16 on GPU. Gradients are SUMMED
+across ranks (never averaged) and every loss is pre-scaled by
+`loss_scale_for_reduction` with mini-batch-wide counts, so any DP size and any
+micro-batch size give the gradient of the same whole-mini-batch loss.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from skyrl.train.algorithms import (
+    entropy_from_logits,
+    get_policy_loss,
+    iter_micro_batches,
+    kl_penalty,
+    loss_scale_for_reduction,
+    reduction_counts,
+    value_loss,
+)
+from skyrl.train.training_batch import TrainingInputBatch
+from skyrl.train.workers.dispatch import partition_rows
+
+CHECKPOINT_DONE = "COMPLETE"
+Metrics = dict[str, torch.Tensor]
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    scheduler: str = "constant"  # constant | cosine
+    warmup_steps: int = 0
+    total_steps: int = 0  # optimizer steps of the run; cosine needs it
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class LossConfig:
+    policy_loss: str = "regular"
+    loss_reduction: str = "token_mean"
+    max_seq_len: int | None = None  # seq_mean_token_sum_norm's fixed length
+    eps_clip_low: float = 0.2
+    eps_clip_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_estimator: str = "k3"
+    entropy_coeff: float = 0.0
+    value_clip: float | None = 0.2
+
+
+@dataclass
+class WorkerConfig:
+    """Everything one FSDP worker needs; `micro_*` sizes count sequences per rank."""
+
+    model_path: str
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    micro_train_batch_size: int = 1
+    micro_forward_batch_size: int = 8
+    temperature: float = 1.0  # sampling temperature; logprobs are of logits / temperature
+    bf16: bool = True  # bf16 compute with fp32 reduction on GPU; CPU always runs fp32
+    cpu_offload: bool = False  # GPU only: keep sharded params and optimizer state on CPU
+    seed: int = 42
+
+
+def _lr_lambda(cfg: OptimizerConfig):
+    if cfg.scheduler == "constant":
+        return lambda step: min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+    if cfg.scheduler == "cosine":
+        if cfg.total_steps <= cfg.warmup_steps:
+            raise ValueError(
+                f"cosine schedule needs optimizer.total_steps > warmup_steps, got total_steps={cfg.total_steps}, "
+                f"warmup_steps={cfg.warmup_steps}"
+            )
+
+        def cosine(step: int) -> float:
+            if step < cfg.warmup_steps:
+                return (step + 1) / cfg.warmup_steps
+            progress = min(1.0, (step - cfg.warmup_steps) / (cfg.total_steps - cfg.warmup_steps))
+            return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        return cosine
+    raise ValueError(f"unknown optimizer.scheduler={cfg.scheduler!r}; choose 'constant' or 'cosine'")
+
+
+class FSDPWorker:
+    """One data-parallel rank: process group, sharded model, forward over micro-batches, checkpoints."""
+
+    def __init__(self, cfg: WorkerConfig, rank: int, world_size: int):
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        self.device = self.device or torch.device("cpu")
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.global_step = 0
+
+    # ---- setup ----
+    def init_process_group(self, master_addr: str, master_port: int) -> None:
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+
+    def _load_model(self) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(self.cfg.model_path, dtype=torch.float32)
+
+    def init_model(self) -> None:
+        """(Re)load the model from `model_path`, shard it, and build a fresh optimizer and schedule."""
+        torch.manual_seed(self.cfg.seed)
+        model = self._load_model().to(self.device)
+        on_gpu = self.device.type == "cuda"
+        kwargs = {"mesh": self.mesh}
+        if on_gpu and self.cfg.bf16:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if on_gpu and self.cfg.cpu_offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        for layer in model.model.layers:
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                # sum, not average, across ranks (gloo has no PREMUL_SUM; the loss carries the scale)
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+        self.model = model
+        self.global_step = 0
+
+    # ---- forward ----
+    def _forward_logits(self, mb: TrainingInputBatch) -> torch.Tensor:
+        """Logits predicting each response token, [n, R, V] (fp32)."""
+        sequences, attention_mask = mb["sequences"], mb["attention_mask"]
+        response_length = mb["response_mask"].shape[1]
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # prompts are left-padded
+        logits = self.model(
+            input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids
+        ).logits
+        return logits[:, -response_length - 1 : -1].float() / self.cfg.temperature
+
+    def _logprobs(self, mb: TrainingInputBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self._forward_logits(mb)
+        targets = mb["sequences"][:, -logits.shape[1] :]
+        logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+        return logprobs, entropy_from_logits(logits)
+
+    def _output(self, mb: TrainingInputBatch) -> dict[str, torch.Tensor]:
+        logprobs, _ = self._logprobs(mb)
+        return {"logprobs": logprobs}
+
+    @torch.no_grad()
+    def forward(self, data: TrainingInputBatch, dp_size: int | None = None, balance: bool = False):
+        """Per-row outputs (`logprobs`, or `values` for the critic) of this rank's rows, in their order.
+
+        With `dp_size` set, `data` is a whole mini-batch and this rank takes its part
+        (the delayed split); otherwise `data` is already this rank's part.
+        """
+        data = self._own_part(data, dp_size, balance)
+        self.model.eval()
+        outputs = [
+            self._output(mb.to(self.device))
+            for mb in iter_micro_batches(data, self.cfg.micro_forward_batch_size)
+        ]
+        return TrainingInputBatch({k: torch.cat([o[k] for o in outputs]).cpu() for k in outputs[0]})
+
+    def _own_part(self, data: TrainingInputBatch, dp_size: int | None, balance: bool) -> TrainingInputBatch:
+        if dp_size is None:
+            return data
+        return data.select_rows(partition_rows(data, dp_size, balance)[self.rank])
+
+    # ---- inspection, export ----
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's weights on rank 0, on CPU (collective; None elsewhere)."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.model, options=options)
+        return state if self.rank == 0 else None
+
+    def iter_weight_groups(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Full weights one decoder layer at a time (then the rest), for streaming to engines.
+
+        A layer travels whole, so fused engine weights (q/k/v, gate/up) arrive together.
+        Collective: every rank iterates; the tensors are complete on every rank.
+        """
+        groups: dict[str, dict[str, torch.Tensor]] = {}
+        for name, param in self.model.named_parameters():
+            parts = name.split(".")
+            key = ".".join(parts[:3]) if parts[:2] == ["model", "layers"] else "other"
+            groups.setdefault(key, {})[name] = param
+        for params in groups.values():
+            yield {name: p.full_tensor().detach() for name, p in params.items()}
+
+    def save_hf_model(self, path: str) -> None:
+        """`save_pretrained` of the full model and its tokenizer to `path`, from rank 0 (collective)."""
+        from transformers import AutoTokenizer
+
+        state = self.full_state_dict()
+        if self.rank == 0:
+            self.model.save_pretrained(path, state_dict=state)
+            AutoTokenizer.from_pretrained(self.cfg.model_path).save_pretrained(path)
+        dist.barrier()
+
+    # ---- checkpoints ----
+    def save_checkpoint(self, path: str) -> None:
+        """Sharded model + optimizer (torch.distributed.checkpoint), schedule and RNG, atomically.
+
+        Every rank writes into `path.tmp`; after a barrier rank 0 marks it complete
+        and renames it to `path`, so a kill mid-write leaves no `path` at all.
+        """
+        final, tmp = Path(path), Path(f"{path}.tmp")
+        state = self._state_dict()
+        dcp.save(state, checkpoint_id=str(tmp))
+        torch.save(self._local_state(), tmp / f"local_rank{self.rank}.pt")
+        dist.barrier()
+        if self.rank == 0:
+            (tmp / CHECKPOINT_DONE).touch()
+            os.replace(tmp, final)
+        dist.barrier()
+
+    def load_checkpoint(self, path: str) -> None:
+        if not (Path(path) / CHECKPOINT_DONE).exists():
+            raise FileNotFoundError(f"{path} is not a complete checkpoint (no {CHECKPOINT_DONE} marker)")
+        state = self._state_dict()
+        dcp.load(state, checkpoint_id=path)
+        if self.optimizer is not None:
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optimizer"],
+            )
+        else:
+            set_model_state_dict(self.model, state["model"])
+        local = torch.load(Path(path) / f"local_rank{self.rank}.pt", weights_only=False)
+        self.global_step = local["global_step"]
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(local["scheduler"])
+        torch.set_rng_state(local["torch_rng"])
+        random.setstate(local["python_rng"])
+        np.random.set_state(local["numpy_rng"])
+        if torch.cuda.is_available() and "cuda_rng" in local:
+            torch.cuda.set_rng_state(local["cuda_rng"])
+
+    def _state_dict(self) -> dict:
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(self.model)}
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optimizer": optim_state}
+
+    def _local_state(self) -> dict:
+        state = {
+            "global_step": self.global_step,
+            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+            "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+            "numpy_rng": np.random.get_state(),
+        }
+        if torch.cuda.is_available():
+            state["cuda_rng"] = torch.cuda.get_rng_state()
+        return state
+
+
+class TrainableWorker(FSDPWorker, abc.ABC):
+    """A worker with an optimizer: one optimizer step per mini-batch."""
+
+    def init_model(self) -> None:
+        super().init_model()
+        opt = self.cfg.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(opt))
+
+    @abc.abstractmethod
+    def _loss(self, mb: TrainingInputBatch, scale: torch.Tensor) -> tuple[torch.Tensor, Metrics, Metrics]:
+        """The micro-batch's share of the mini-batch loss, sum(per-token loss * scale), and metrics.
+
+        Returns (loss, summed, averaged): `summed` metrics are scale-weighted sums that
+        add up exactly over micro-batches and ranks; `averaged` ones are per
+        micro-batch statistics, averaged over this rank's micro-batches.
+        """
+
+    def train_mini_batch(
+        self, data: TrainingInputBatch, dp_size: int | None = None, balance: bool = False
+    ) -> dict[str, float]:
+        """One optimizer step on this rank's share of a mini-batch; returns mini-batch metrics.
+
+        The loss is summed over micro-batches with weights from mini-batch-wide counts
+        (all-reduced), and gradients are summed over ranks. Gradients are kept until
+        the next call (see `gradient_vector`).
+        """
+        data = self._own_part(data, dp_size, balance)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        counts = reduction_counts(data["loss_mask"]).to(self.device)
+        dist.all_reduce(counts)
+        loss_cfg = self.cfg.loss
+        scale = loss_scale_for_reduction(
+            data["loss_mask"], loss_cfg.loss_reduction, loss_cfg.max_seq_len, counts.cpu()
+        )
+        data = TrainingInputBatch({**dict(data.items()), "loss_scale": scale.float()}, data.metadata)
+        micro_batches = list(iter_micro_batches(data, self.cfg.micro_train_batch_size))
+        summed: dict[str, torch.Tensor] = {}
+        averaged: dict[str, float] = {}
+        for i, mb in enumerate(micro_batches):
+            self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            mb = mb.to(self.device)
+            loss, mb_summed, mb_averaged = self._loss(mb, mb["loss_scale"])
+            loss.backward()
+            for k, v in {"loss": loss, **mb_summed}.items():
+                summed[k] = summed.get(k, 0.0) + v.detach().double()
+            for k, v in mb_averaged.items():
+                averaged[k] = averaged.get(k, 0.0) + v.item() / len(micro_batches)
+        max_norm = self.cfg.optimizer.max_grad_norm if self.cfg.optimizer.max_grad_norm > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        self.optimizer.step()
+        self.scheduler.step()
+        self.global_step += 1
+        totals = torch.stack(list(summed.values()))
+        dist.all_reduce(totals)
+        return {
+            **dict(zip(summed, totals.tolist(), strict=True)),
+            **averaged,
+            "grad_norm": grad_norm.item(),
+            "lr": self.scheduler.get_last_lr()[0],
+        }
+
+    def gradient_vector(self) -> torch.Tensor | None:
+        """The full flattened gradient of the last mini-batch on rank 0 (collective; None elsewhere)."""
+        grads = [
+            p.grad.full_tensor() if p.grad is not None else torch.zeros(p.shape)
+            for p in self.model.parameters()
+        ]
+        return torch.cat([g.flatten().cpu() for g in grads]) if self.rank == 0 else None
+
+
+class PolicyWorker(TrainableWorker):
+    """Policy: logprobs, and PPO-style updates with a registered policy loss (+ optional KL and entropy terms)."""
+
+    def _loss(self, mb: TrainingInputBatch, scale: torch.Tensor) -> tuple[torch.Tensor, Metrics, Metrics]:
+        cfg = self.cfg.loss
+        logprobs, entropy = self._logprobs(mb)
+        per_token, metrics = get_policy_loss(cfg.policy_loss)(
+            logprobs,
+            mb["old_logprobs"],
+            mb["advantages"],
+            mb["loss_mask"],
+            eps_clip_low=cfg.eps_clip_low,
+            eps_clip_high=cfg.eps_clip_high,
+            clip_ratio_c=cfg.clip_ratio_c,
+        )
+        summed = {"entropy": (entropy * scale).sum()}
+        if cfg.use_kl_loss:
+            kl = kl_penalty(logprobs, mb["ref_logprobs"], cfg.kl_estimator) * mb["loss_mask"]
+            per_token = per_token + cfg.kl_loss_coef * kl
+            summed["kl_loss"] = (kl * scale).sum()
+        if cfg.entropy_coeff:
+            per_token = per_token - cfg.entropy_coeff * entropy * mb["loss_mask"]
+        return (per_token * scale).sum(), summed, metrics
+
+
+class RefWorker(FSDPWorker):
+    """Reference policy: forward-only logprobs."""
+
+    trainable = False
+
+
+class CriticWorker(TrainableWorker):
+    """Critic: the backbone with a scalar value head (token classification, 1 label), clipped value loss."""
+
+    def _load_model(self) -> torch.nn.Module:
+        from transformers import AutoModelForTokenClassification
+
+        return AutoModelForTokenClassification.from_pretrained(
+            self.cfg.model_path, num_labels=1, dtype=torch.float32
+        )
+
+    def _values(self, mb: TrainingInputBatch) -> torch.Tensor:
+        """V(s_t) for each response token t: the value head at the position that predicts it."""
+        attention_mask = mb["attention_mask"]
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=mb["sequences"], attention_mask=attention_mask, position_ids=position_ids)
+        response_length = mb["response_mask"].shape[1]
+        return out.logits[:, -response_length - 1 : -1, 0].float()
+
+    def _output(self, mb: TrainingInputBatch) -> dict[str, torch.Tensor]:
+        return {"values": self._values(mb)}
+
+    def _loss(self, mb: TrainingInputBatch, scale: torch.Tensor) -> tuple[torch.Tensor, Metrics, Metrics]:
+        values = self._values(mb)
+        per_token, metrics = value_loss(
+            values, mb["old_values"], mb["returns"], mb["loss_mask"], self.cfg.loss.value_clip
+        )
+        return (per_token * scale).sum(), {}, metrics

@@ -1,0 +1,59 @@
+import ray
+import torch
+
+from skyrl.train.training_batch import TrainingInputBatch
+from skyrl.train.workers.dispatch import MeshDispatch, partition_rows
+
+
+def numbered_batch(n: int) -> TrainingInputBatch:
+    """Row i holds the value i, and i + 1 tokens of attention (so balancing has work to do)."""
+    attention = torch.zeros(n, n + 1, dtype=torch.long)
+    for i in range(n):
+        attention[i, : i + 1] = 1
+    batch = TrainingInputBatch(
+        {"row": torch.arange(n).float()[:, None], "attention_mask": attention, "loss_mask": torch.ones(n, 1)}
+    )
+    batch.metadata["uids"] = [f"u{i}" for i in range(n)]
+    return batch
+
+
+def rank_outputs(staged, dp_size, balance, delay_split):
+    """What a worker's forward would return: one output per row of its part (here: the row's value)."""
+    outputs = []
+    for mini in staged:
+        per_rank = []
+        for rank in range(dp_size):
+            part = ray.get(mini[rank])
+            if delay_split:
+                part = part.select_rows(partition_rows(part, dp_size, balance)[rank])
+            per_rank.append(TrainingInputBatch({"out": part["row"] * 10}))
+        outputs.append(per_rank)
+    return outputs
+
+
+def test_stage_chunks_pads_each_mini_batch_to_the_dp_size(ray_cluster):
+    batch = numbered_batch(10)
+    staged = MeshDispatch.stage_chunks(4, batch, [(0, 3), (3, 8), (8, 10)])
+    assert [len(m) for m in staged] == [4, 4, 4]
+    parts = [[ray.get(m[r]) for r in range(4)] for m in staged]
+    assert [[len(p) for p in mini] for mini in parts] == [[1, 1, 1, 1], [2, 2, 2, 2], [1, 1, 1, 1]]
+    middle = TrainingInputBatch.cat(parts[1])
+    assert middle["row"][:5, 0].tolist() == [3, 4, 5, 6, 7]
+    assert middle["loss_mask"][5:].sum() == 0 and middle.metadata["pad_size"] == 3
+
+
+def test_balanced_staging_spreads_tokens_evenly(ray_cluster):
+    batch = numbered_batch(8)
+    staged = MeshDispatch.stage_chunks(2, batch, [(0, 8)], balance=True)
+    loads = [ray.get(staged[0][r])["attention_mask"].sum().item() for r in range(2)]
+    assert loads == [18, 18]
+
+
+def test_gather_restores_row_order_and_strips_pads_of_a_padded_middle_mini_batch(ray_cluster):
+    batch = numbered_batch(11)
+    bounds = [(0, 4), (4, 7), (7, 11)]  # the middle one (3 rows) needs a pad row for dp=2
+    for balance in (False, True):
+        for delay_split in (False, True):
+            staged = MeshDispatch.stage_chunks(2, batch, bounds, balance, delay_split)
+            gathered = MeshDispatch.gather(staged, rank_outputs(staged, 2, balance, delay_split))
+            assert gathered["out"][:, 0].tolist() == [10.0 * i for i in range(11)], (balance, delay_split)

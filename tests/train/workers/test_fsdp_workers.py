@@ -1,0 +1,206 @@
+"""Real Ray actors, real gloo process groups, FSDP2 on the tiny model."""
+
+import pytest
+import ray
+import torch
+from transformers import AutoModelForCausalLM
+
+from scripts.check_dp_equivalence import (
+    NUM_PROMPTS,
+    relative_differences,
+    stepwise_batch,
+    train_two_steps,
+)
+from skyrl.train.dataset.preprocess import compute_prompt_mini_batch_boundaries
+from skyrl.train.workers.actor_group import ActorGroup, create_placement_group, latest_checkpoint
+from skyrl.train.workers.fsdp_worker import (
+    CHECKPOINT_DONE,
+    CriticWorker,
+    LossConfig,
+    OptimizerConfig,
+    PolicyWorker,
+    RefWorker,
+    WorkerConfig,
+)
+
+
+@pytest.fixture(scope="module")
+def dp1(ray_cluster, tiny_model_path):
+    return train_two_steps(str(tiny_model_path), dp_size=1)
+
+
+def assert_equivalent(a, b):
+    diffs = relative_differences(a, b)
+    assert diffs["loss"] < 1e-5 and diffs["grad_norm"] < 1e-5 and diffs["gradient"] < 1e-5, diffs
+    assert diffs["param_update"] < 1e-4, diffs
+
+
+def test_reference_run_actually_trains(dp1):
+    assert dp1.num_mini_batches == 2
+    assert all(n > 0 for n in dp1.grad_norms)
+    assert dp1.update.norm() > 0
+    assert dp1.losses[0] != dp1.losses[1]
+
+
+def test_dp2_matches_dp1_on_padded_stepwise_mini_batches(dp1, tiny_model_path):
+    assert_equivalent(dp1, train_two_steps(str(tiny_model_path), dp_size=2))
+
+
+def test_micro_batch_size_1_matches_2(dp1, tiny_model_path):
+    assert_equivalent(dp1, train_two_steps(str(tiny_model_path), dp_size=1, micro_batch_size=1))
+
+
+def test_balanced_assignment_matches_contiguous(dp1, tiny_model_path):
+    assert_equivalent(dp1, train_two_steps(str(tiny_model_path), dp_size=2, balance=True))
+
+
+def test_delayed_dp_split_matches_staged_split(dp1, tiny_model_path):
+    assert_equivalent(dp1, train_two_steps(str(tiny_model_path), dp_size=2, balance=True, delay_split=True))
+
+
+@pytest.fixture(scope="module")
+def policy_dp2(ray_cluster, tiny_model_path):
+    cfg = WorkerConfig(
+        model_path=str(tiny_model_path), optimizer=OptimizerConfig(lr=1e-3), micro_train_batch_size=2
+    )
+    pg = create_placement_group(2)
+    group = ActorGroup(PolicyWorker, cfg, 2, pg)
+    yield group
+    group.kill()
+    ray.util.remove_placement_group(pg)
+
+
+def global_step(group):
+    return ray.get(group.actors[0].__ray_call__.remote(lambda worker: worker.global_step))
+
+
+def test_optimizer_steps_per_batch_are_prompt_mini_batches_times_epochs(policy_dp2, tiny_model_path):
+    policy_dp2.run("init_model")
+    batch, _ = stepwise_batch(512)
+    bounds = compute_prompt_mini_batch_boundaries(batch.metadata["uids"], 1, NUM_PROMPTS, True, 2)
+    batch["old_logprobs"] = policy_dp2.forward(batch, bounds)["logprobs"]
+    epochs = 2
+    for _ in range(epochs):
+        policy_dp2.train(batch, bounds)
+    assert global_step(policy_dp2) == NUM_PROMPTS // 1 * epochs
+    assert len(batch) > NUM_PROMPTS * 2  # several turns per episode did not add steps
+
+
+def test_forward_logprobs_match_a_plain_hf_forward_of_each_unpadded_row(policy_dp2, tiny_model_path):
+    policy_dp2.run("init_model")
+    batch, bounds = stepwise_batch(512)
+    logprobs = policy_dp2.forward(batch, bounds, balance=True)["logprobs"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    for i in (0, 3, len(batch) - 1):
+        tokens = batch["sequences"][i][batch["attention_mask"][i].bool()]
+        n = int(batch["response_mask"][i].sum())
+        prompt_length = len(tokens) - n
+        with torch.no_grad():
+            logits = model(tokens[None]).logits[0].float()
+        expected = torch.log_softmax(logits[:-1], -1).gather(-1, tokens[1:, None])[:, 0][prompt_length - 1 :]
+        torch.testing.assert_close(logprobs[i, :n], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_checkpoint_round_trip_resumes_exactly_and_skips_half_written(policy_dp2, tiny_model_path, tmp_path):
+    policy_dp2.run("init_model")
+    batch, bounds = stepwise_batch(512)
+    batch["old_logprobs"] = policy_dp2.forward(batch, bounds)["logprobs"]
+    policy_dp2.train(batch, bounds[:1])
+    policy_dp2.save_checkpoint(tmp_path / "global_step_1")
+    (uninterrupted,) = policy_dp2.train(batch, bounds[1:])
+    expected = policy_dp2.full_state_dict()
+
+    (tmp_path / "global_step_2.tmp").mkdir()  # a kill during the next save leaves this behind
+    (tmp_path / "global_step_3").mkdir()  # ... or an unmarked directory
+    resume_from = latest_checkpoint(tmp_path)
+    assert resume_from == tmp_path / "global_step_1"
+    assert (resume_from / CHECKPOINT_DONE).exists()
+
+    cfg = WorkerConfig(
+        model_path=str(tiny_model_path), optimizer=OptimizerConfig(lr=1e-3), micro_train_batch_size=2
+    )
+    pg = create_placement_group(2)
+    fresh = ActorGroup(PolicyWorker, cfg, 2, pg)
+    try:
+        fresh.load_checkpoint(resume_from)
+        assert global_step(fresh) == 1
+        (resumed,) = fresh.train(batch, bounds[1:])
+        actual = fresh.full_state_dict()
+    finally:
+        fresh.kill()
+        ray.util.remove_placement_group(pg)
+    assert resumed["loss"] == pytest.approx(uninterrupted["loss"], rel=1e-6)
+    assert resumed["grad_norm"] == pytest.approx(uninterrupted["grad_norm"], rel=1e-6)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(actual[name], tensor, rtol=1e-6, atol=1e-7)
+
+
+def test_loading_an_incomplete_checkpoint_is_refused(policy_dp2, tmp_path):
+    with pytest.raises(ray.exceptions.RayTaskError, match="not a complete checkpoint"):
+        policy_dp2.load_checkpoint(tmp_path)
+
+
+def test_hf_export_loads_with_from_pretrained(policy_dp2, tmp_path):
+    policy_dp2.run("save_hf_model", str(tmp_path / "hf"))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    state = policy_dp2.full_state_dict()
+    for name, tensor in exported.state_dict().items():
+        torch.testing.assert_close(tensor, state[name])
+    assert (tmp_path / "hf" / "tokenizer.json").exists()
+
+
+def test_weight_groups_stream_whole_layers_and_cover_every_parameter(policy_dp2):
+    # a collective: every rank iterates
+    refs = [actor.__ray_call__.remote(lambda w: list(w.iter_weight_groups())) for actor in policy_dp2.actors]
+    groups = ray.get(refs, timeout=120)[0]
+    layer0 = next(g for g in groups if "model.layers.0.self_attn.q_proj.weight" in g)
+    assert {"model.layers.0.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight"} <= set(layer0)
+    merged = {k: v for g in groups for k, v in g.items()}
+    state = policy_dp2.full_state_dict()
+    assert set(merged) == {k for k in state if k != "lm_head.weight"}  # tied to the embeddings
+    for name, tensor in merged.items():
+        torch.testing.assert_close(tensor, state[name])
+
+
+def test_reference_worker_gives_the_policy_logprobs_at_init(ray_cluster, policy_dp2, tiny_model_path):
+    policy_dp2.run("init_model")
+    batch, bounds = stepwise_batch(512)
+    pg = create_placement_group(1)
+    ref = ActorGroup(RefWorker, WorkerConfig(model_path=str(tiny_model_path)), 1, pg)
+    try:
+        ref_logprobs = ref.forward(batch, bounds)["logprobs"]
+    finally:
+        ref.kill()
+        ray.util.remove_placement_group(pg)
+    torch.testing.assert_close(
+        ref_logprobs, policy_dp2.forward(batch, bounds)["logprobs"], rtol=1e-5, atol=1e-6
+    )
+
+
+def test_critic_fits_returns_with_the_clipped_value_loss(ray_cluster, tiny_model_path):
+    cfg = WorkerConfig(
+        model_path=str(tiny_model_path),
+        optimizer=OptimizerConfig(lr=3e-3),
+        loss=LossConfig(value_clip=None),
+        micro_train_batch_size=4,
+    )
+    batch, bounds = stepwise_batch(512)
+    batch["returns"] = batch["response_mask"].float()
+    pg = create_placement_group(2)
+    critic = ActorGroup(CriticWorker, cfg, 2, pg)
+    try:
+        losses = []
+        for _ in range(6):
+            batch["old_values"] = critic.forward(batch, bounds)["values"]
+            losses.append(critic.train(batch, bounds)[0]["loss"])
+    finally:
+        critic.kill()
+        ray.util.remove_placement_group(pg)
+    assert batch["old_values"].shape == batch["response_mask"].shape
+    assert losses[0] > 0.1  # the fresh value head is far from the returns
+    assert losses[-1] < 0.2 * losses[0], losses
+
+
+def test_placement_group_that_cannot_fit_names_the_missing_resources(ray_cluster):
+    with pytest.raises(RuntimeError, match=r"could not place 100 bundles of \{'CPU': 1\}.*free"):
+        create_placement_group(100, timeout_s=2)
