@@ -1,0 +1,251 @@
+"""Engines as Ray actors, and the client that routes requests and pushes weights to them.
+
+Routing: a request with a `session_id` (e.g. a trajectory id) goes to the engine
+that served the session before, so every turn of a trajectory reuses that
+engine's prefix cache; a new session or a request without one goes to the engine
+with the fewest requests in flight (ties: the one routed to least often).
+
+Weight sync (CPU path): the named tensors are `ray.put` once and every engine
+fetches them from the object store; each engine validates the update, loads it
+and resets its prefix cache; then the client's `weight_version` advances.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import ray
+import torch
+from ray.actor import ActorHandle
+
+from skyrl.train.inference.config import InferenceEngineConfig, resolve_backend, validate_engine_config
+from skyrl.train.inference.engine import EngineHealth, GenerationOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """An engine actor died; the message names the engine and how to restart it."""
+
+
+def _engine_class(backend: str) -> type:
+    if backend == "vllm":
+        from skyrl.train.inference.vllm_engine import VLLMEngine
+
+        return VLLMEngine
+    from skyrl.train.inference.hf_engine import HFEngine
+
+    return HFEngine
+
+
+def create_engine(
+    cfg: InferenceEngineConfig, model_path: str, scheduling_strategy: Any = None
+) -> ActorHandle:
+    """Start one engine actor for a resolved config (`backend` is `vllm` or `hf`, `device` is `cpu` or `cuda`)."""
+    options: dict[str, Any] = {"num_cpus": cfg.num_cpus_per_engine}
+    if cfg.device == "cuda":
+        options["num_gpus"] = cfg.tensor_parallel_size
+    if scheduling_strategy is not None:
+        options["scheduling_strategy"] = scheduling_strategy
+    actor_class = ray.remote(_engine_class(cfg.backend))
+    return actor_class.options(**options).remote(cfg, str(model_path))
+
+
+def resolve_engine_config(cfg: InferenceEngineConfig) -> InferenceEngineConfig:
+    """Validate `cfg` and pin `backend` and `device` (`auto` resolved against what is installed and the cluster)."""
+    validate_engine_config(cfg)
+    device = cfg.device
+    if device == "auto":
+        device = "cuda" if ray.cluster_resources().get("GPU", 0) >= cfg.tensor_parallel_size else "cpu"
+    return dataclasses.replace(cfg, backend=resolve_backend(cfg), device=device)
+
+
+class InferenceEngineClient:
+    """Routes generation over N engine actors and keeps them in sync.
+
+    Use it from one event loop at a time (a fresh `asyncio.run` per call is fine).
+    Engine failures surface as `EngineDeadError`; `ValueError`s raised by an engine
+    (bad prompt, bad weight update) are re-raised as themselves.
+    """
+
+    def __init__(
+        self,
+        engines: Sequence[ActorHandle],
+        max_concurrent_requests: int = 1024,
+        engine_factory: Callable[[int], ActorHandle] | None = None,
+        max_sessions: int = 100_000,
+    ) -> None:
+        assert engines, "a client needs at least one engine"
+        self._engines = list(engines)
+        self._factory = engine_factory
+        self._max_concurrent = max_concurrent_requests
+        self._max_sessions = max_sessions
+        self._in_flight = [0] * len(engines)
+        self._routed = [0] * len(engines)
+        self._sessions: OrderedDict[str, int] = OrderedDict()
+        self._limiter: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
+        self._weight_version = 0
+        self._latest_weights: ray.ObjectRef | None = None
+
+    @classmethod
+    def from_config(
+        cls, cfg: InferenceEngineConfig, model_path: str, scheduling_strategies: Sequence[Any] | None = None
+    ) -> InferenceEngineClient:
+        """Start `cfg.num_engines` engine actors, wait until they serve, and return a client that can restart them.
+
+        `scheduling_strategies[i]` (e.g. a placement group bundle) places engine i.
+        """
+        cfg = resolve_engine_config(cfg)
+        strategies = list(scheduling_strategies or [None] * cfg.num_engines)
+        assert len(strategies) == cfg.num_engines, "one scheduling strategy per engine"
+
+        def factory(index: int) -> ActorHandle:
+            return create_engine(cfg, model_path, strategies[index])
+
+        engines = [factory(i) for i in range(cfg.num_engines)]
+        ray.get([e.health.remote() for e in engines])
+        logger.info(
+            "inference backend: %s, %d engine(s) on %s, tensor parallel %d, model %s",
+            cfg.backend,
+            cfg.num_engines,
+            cfg.device,
+            cfg.tensor_parallel_size,
+            model_path,
+        )
+        return cls(engines, cfg.max_concurrent_requests, factory)
+
+    @property
+    def num_engines(self) -> int:
+        return len(self._engines)
+
+    @property
+    def engines(self) -> tuple[ActorHandle, ...]:
+        """The engine actors, in engine order (a restart replaces one)."""
+        return tuple(self._engines)
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the last update every engine accepted (0: the checkpoint's weights)."""
+        return self._weight_version
+
+    def _semaphore(self) -> asyncio.Semaphore:
+        loop = asyncio.get_running_loop()
+        if self._limiter is None or self._limiter[0] is not loop:
+            self._limiter = (loop, asyncio.Semaphore(self._max_concurrent))
+        return self._limiter[1]
+
+    def _route(self, session_id: str | None) -> int:
+        if session_id is not None and session_id in self._sessions:
+            self._sessions.move_to_end(session_id)
+            return self._sessions[session_id]
+        index = min(range(len(self._engines)), key=lambda i: (self._in_flight[i], self._routed[i]))
+        if session_id is not None:
+            self._sessions[session_id] = index
+            if len(self._sessions) > self._max_sessions:
+                self._sessions.popitem(last=False)
+        return index
+
+    def end_session(self, session_id: str) -> None:
+        """Forget a finished session's engine (sessions are also evicted oldest-first past `max_sessions`)."""
+        self._sessions.pop(session_id, None)
+
+    async def _call(self, index: int, method: str, *args: Any) -> Any:
+        try:
+            return await getattr(self._engines[index], method).remote(*args)
+        except ray.exceptions.RayActorError as exc:
+            raise EngineDeadError(
+                f"inference engine {index} is dead; restart it with `await client.restart_engine({index})`. "
+                f"Ray reports: {exc}"
+            ) from exc
+        except ray.exceptions.RayTaskError as exc:
+            if isinstance(exc.cause, ValueError):
+                raise exc.cause from None
+            raise
+
+    async def generate(
+        self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, session_id: str | None = None
+    ) -> GenerationOutput:
+        """Generate on one engine (sticky per `session_id`); waits while `max_concurrent_requests` are in flight."""
+        async with self._semaphore():
+            index = self._route(session_id)
+            self._in_flight[index] += 1
+            self._routed[index] += 1
+            try:
+                return await self._call(index, "generate", list(prompt_token_ids), sampling_params)
+            finally:
+                self._in_flight[index] -= 1
+
+    async def _call_all(self, method: str, *args: Any) -> list[Any]:
+        results = await asyncio.gather(
+            *(self._call(i, method, *args) for i in range(len(self._engines))), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results
+
+    async def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Push weights to every engine: put once in the object store, each engine fetches, validates,
+        loads and resets its prefix cache. `version` must exceed `weight_version`, which becomes
+        `version` once all engines accepted. A bad update raises `WeightUpdateError` from the engines
+        and changes nothing."""
+        if version <= self._weight_version:
+            raise ValueError(
+                f"weight version {version} must be greater than the current {self._weight_version}."
+            )
+        ref = ray.put({name: t.detach().cpu() for name, t in named_tensors.items()})
+        await self._call_all("update_weights", ref, version)
+        self._weight_version = version
+        self._latest_weights = ref
+
+    async def reset_prefix_cache(self) -> None:
+        """Reset every engine's prefix cache."""
+        await self._call_all("reset_prefix_cache")
+
+    async def sleep(self) -> None:
+        """Put every engine to sleep (requests in flight return `stop_reason="abort"`)."""
+        await self._call_all("sleep")
+
+    async def wake_up(self) -> None:
+        """Wake every engine."""
+        await self._call_all("wake_up")
+
+    async def health(self) -> list[EngineHealth]:
+        """Every engine's health, in engine order; `EngineDeadError` if one is dead."""
+        return await self._call_all("health")
+
+    async def restart_engine(self, index: int) -> None:
+        """Replace engine `index` with a fresh actor and re-apply the latest weight update to it.
+
+        Only for clients built by `from_config`. The latest update is kept in the
+        object store for this, so restarts restore the current weights when updates
+        are full state dicts (what the trainer sends).
+        """
+        if self._factory is None:
+            raise RuntimeError(
+                "this client was built from actor handles and cannot start engines; "
+                "build it with InferenceEngineClient.from_config to restart engines."
+            )
+        ray.kill(self._engines[index], no_restart=True)
+        engine = self._factory(index)
+        await engine.health.remote()
+        if self._latest_weights is not None:
+            await engine.update_weights.remote(self._latest_weights, self._weight_version)
+        self._engines[index] = engine
+        self._in_flight[index] = 0
+        logger.info("restarted inference engine %d", index)
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Shut every engine down (reaping its child processes), then kill the actors."""
+        pending = [e.shutdown.remote() for e in self._engines]
+        try:
+            ray.get(pending, timeout=timeout_s)
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            logger.warning("an inference engine did not shut down cleanly: %s", exc)
+        for engine in self._engines:
+            ray.kill(engine, no_restart=True)

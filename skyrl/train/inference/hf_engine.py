@@ -1,0 +1,320 @@
+"""The `hf` backend: transformers `generate` over batches of concurrent requests.
+
+Requests that arrive together are batched (left-padded); requests with equal
+sampling settings share a `generate` call, each keeping its own `max_tokens`,
+stop tokens and stop strings. The temperature / top-k / top-p warpers are passed
+as our own logits processors so the processed scores, the distribution that is
+sampled, are what the logprobs are taken from. One thread owns the model, so a
+weight update waits for the running batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+import torch
+
+from skyrl.train.inference.config import InferenceEngineConfig
+from skyrl.train.inference.engine import (
+    EngineHealth,
+    GenerationOutput,
+    InferenceEngine,
+    SamplingParams,
+    StopReason,
+    validate_prompt,
+)
+from skyrl.train.inference.weights import validate_weight_update, weight_spec_from_model
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    params: SamplingParams
+    future: asyncio.Future
+    weight_version: int = 0
+
+
+# Per-row stop codes inside one generate call; 0 means still running.
+_STOP, _LENGTH, _ABORT = 1, 2, 3
+_REASONS: dict[int, StopReason] = {_STOP: "stop", _LENGTH: "length", _ABORT: "abort"}
+
+
+class _RowTracker:
+    """Per-row bookkeeping inside one `generate` call: stop conditions and sampled-token logprobs.
+
+    Called as a stopping criterion after each new token; `record` is the last logits
+    processor and keeps the log-softmax of the scores the token was sampled from.
+    """
+
+    def __init__(self, prompt_lens, max_tokens, max_model_len, stop_ids, stop, tokenizer, abort, logprobs):
+        self.limit = torch.tensor(
+            [min(m, max_model_len - p) for p, m in zip(prompt_lens, max_tokens, strict=True)]
+        )
+        self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long)
+        self.stop = stop
+        self.stop_tail = (
+            max((len(s.encode()) for s in stop), default=0) + 1
+        )  # tokens that can hold a stop string
+        self.tokenizer = tokenizer
+        self.abort = abort
+        self.want_logprobs = logprobs
+        self.num_tokens = torch.zeros(len(prompt_lens), dtype=torch.long)
+        self.code = torch.zeros(len(prompt_lens), dtype=torch.long)
+        self.step_logprobs: list[torch.Tensor] = []
+        self._last_logprobs: torch.Tensor | None = None
+
+    def record(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.want_logprobs:
+            self._last_logprobs = scores.log_softmax(dim=-1)
+        return scores
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        new = input_ids[:, -1:]
+        if self._last_logprobs is not None:
+            self.step_logprobs.append(self._last_logprobs.gather(-1, new)[:, 0].float().cpu())
+        new = new[:, 0].cpu()
+        running = self.code == 0
+        self.num_tokens += running
+        if self.abort.is_set():
+            self.code[running] = _ABORT
+        else:
+            stopped = running & torch.isin(new, self.stop_ids)
+            if self.stop:
+                for row in (running & ~stopped).nonzero()[:, 0].tolist():
+                    tail = input_ids[row, -min(int(self.num_tokens[row]), self.stop_tail) :].tolist()
+                    text = self.tokenizer.decode(tail, skip_special_tokens=True)
+                    stopped[row] = any(s in text for s in self.stop)
+            self.code[stopped] = _STOP
+            self.code[running & ~stopped & (self.num_tokens >= self.limit)] = _LENGTH
+        return (self.code != 0).to(input_ids.device)
+
+    def reason(self, row: int) -> StopReason:
+        """The row's stop reason; a row still running when `generate` returned reached `max_new_tokens`."""
+        return _REASONS.get(int(self.code[row]), "length")
+
+
+class HFEngine(InferenceEngine):
+    """An `InferenceEngine` over `AutoModelForCausalLM.generate`; construct it inside a Ray actor."""
+
+    def __init__(self, cfg: InferenceEngineConfig, model_path: str) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+        self._cfg = cfg
+        self._model_path = str(model_path)
+        self._device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if cfg.dtype == "auto":
+            dtype = "auto" if self._device.type == "cuda" else torch.float32
+        else:
+            dtype = getattr(torch, cfg.dtype)
+        model = AutoModelForCausalLM.from_pretrained(self._model_path, dtype=dtype)
+        self._model = model.to(self._device).eval()
+        self._tokenizer = AutoTokenizer.from_pretrained(self._model_path)
+        eos = model.generation_config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self._tokenizer.eos_token_id is not None:
+            eos_ids.add(self._tokenizer.eos_token_id)
+        self._eos_ids = eos_ids
+        self._pad_id = (
+            self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else min(eos_ids)
+        )
+        # A checkpoint's sampling defaults (e.g. top_k=20) would otherwise apply to every request.
+        self._model.generation_config = GenerationConfig(
+            eos_token_id=sorted(eos_ids), pad_token_id=self._pad_id, bos_token_id=model.config.bos_token_id
+        )
+        self._max_model_len = cfg.max_model_len or model.config.max_position_embeddings
+        self._vocab_size = model.get_input_embeddings().num_embeddings
+        self._spec = weight_spec_from_model(model)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
+        self._abort = threading.Event()
+        self._queue: list[_Request] = []
+        self._work: asyncio.Event | None = None
+        self._num_in_flight = 0
+        self._weight_version = 0
+        self._num_served = 0
+        self._asleep = False
+
+    def _check_serving(self) -> None:
+        if self._asleep:
+            raise RuntimeError(
+                "the hf engine is asleep; call wake_up() before generating or updating weights."
+            )
+
+    async def generate(
+        self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams
+    ) -> GenerationOutput:
+        self._check_serving()
+        prompt = validate_prompt(prompt_token_ids, self._vocab_size, self._max_model_len)
+        request = _Request(
+            prompt, sampling_params, asyncio.get_running_loop().create_future(), self._weight_version
+        )
+        self._queue.append(request)
+        if self._work is None:
+            self._work = asyncio.Event()
+            asyncio.get_running_loop().create_task(self._serve_loop())
+        self._work.set()
+        self._num_in_flight += 1
+        try:
+            return await request.future
+        finally:
+            self._num_in_flight -= 1
+
+    async def _serve_loop(self) -> None:
+        assert self._work is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._work.wait()
+            # Keep collecting while requests keep arriving, so a burst becomes one batch.
+            while len(self._queue) < self._cfg.max_num_seqs:
+                seen = len(self._queue)
+                await asyncio.sleep(self._cfg.hf_batch_wait_s)
+                if len(self._queue) == seen:
+                    break
+            batch = [r for r in self._queue[: self._cfg.max_num_seqs] if not r.future.done()]
+            self._queue = self._queue[self._cfg.max_num_seqs :]
+            if not self._queue:
+                self._work.clear()
+            groups: dict[SamplingParams, list[_Request]] = {}
+            for request in batch:
+                # max_tokens and seed are per request: one generate call serves them all.
+                groups.setdefault(replace(request.params, max_tokens=1, seed=None), []).append(request)
+            for group in groups.values():
+                if self._asleep:  # sleep() came while an earlier group ran
+                    results = [GenerationOutput([], None, "abort", r.weight_version) for r in group]
+                else:
+                    try:
+                        results = await loop.run_in_executor(self._thread, self._generate_batch, group)
+                    except Exception as exc:  # a failed batch fails its requests, not the engine
+                        results = [exc] * len(group)
+                for request, result in zip(group, results, strict=True):
+                    if request.future.done():
+                        continue
+                    if isinstance(result, Exception):
+                        request.future.set_exception(result)
+                    else:
+                        self._num_served += result.stop_reason != "abort"
+                        request.future.set_result(result)
+
+    @torch.inference_mode()
+    def _generate_batch(self, group: list[_Request]) -> list[GenerationOutput]:
+        from transformers import (
+            GenerationConfig,
+            LogitsProcessorList,
+            StoppingCriteriaList,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        params = group[0].params
+        prompt_lens = [len(r.prompt) for r in group]
+        width = max(prompt_lens)
+        input_ids = torch.tensor([[self._pad_id] * (width - len(r.prompt)) + r.prompt for r in group])
+        attention_mask = torch.tensor([[0] * (width - n) + [1] * n for n in prompt_lens])
+        max_tokens = [r.params.max_tokens for r in group]
+        tracker = _RowTracker(
+            prompt_lens,
+            max_tokens,
+            self._max_model_len,
+            self._eos_ids | set(params.stop_token_ids),
+            params.stop,
+            self._tokenizer,
+            self._abort,
+            params.logprobs,
+        )
+        greedy = params.temperature == 0
+        warpers = []
+        if not greedy:
+            warpers.append(TemperatureLogitsWarper(params.temperature))
+            if params.top_k is not None:
+                warpers.append(TopKLogitsWarper(params.top_k))
+            if params.top_p < 1.0:
+                warpers.append(TopPLogitsWarper(params.top_p))
+        max_new_tokens = min(max(max_tokens), self._max_model_len - min(prompt_lens))
+        if greedy:
+            generation_config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens)
+        else:
+            # Neutral settings: the warpers above do the sampling transforms.
+            generation_config = GenerationConfig(
+                do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens
+            )
+        seed = next((r.params.seed for r in group if r.params.seed is not None), None)
+        if seed is not None:
+            torch.manual_seed(seed)
+        sequences = self._model.generate(
+            input_ids=input_ids.to(self._device),
+            attention_mask=attention_mask.to(self._device),
+            generation_config=generation_config,
+            logits_processor=LogitsProcessorList([*warpers, tracker.record]),
+            stopping_criteria=StoppingCriteriaList([tracker]),
+        )
+        responses = sequences[:, width:].cpu()
+        logprobs = torch.stack(tracker.step_logprobs, dim=1) if tracker.step_logprobs else None
+        outputs = []
+        for row, request in enumerate(group):
+            reason = tracker.reason(row)
+            if reason == "abort":
+                outputs.append(GenerationOutput([], None, "abort", request.weight_version))
+                continue
+            n = int(tracker.num_tokens[row])
+            row_logprobs = logprobs[row, :n].tolist() if logprobs is not None else None
+            outputs.append(
+                GenerationOutput(responses[row, :n].tolist(), row_logprobs, reason, request.weight_version)
+            )
+        return outputs
+
+    async def _on_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    async def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        self._check_serving()
+        validate_weight_update(named_tensors, self._spec)
+        await self._on_thread(self._model.load_state_dict, named_tensors, False)
+        self._weight_version = version
+
+    async def reset_prefix_cache(self) -> None:
+        """No-op: `generate` keeps no cache across requests."""
+
+    def _abort_queued(self) -> None:
+        for request in self._queue:
+            if not request.future.done():
+                request.future.set_result(GenerationOutput([], None, "abort", request.weight_version))
+        self._queue = []
+
+    async def sleep(self) -> None:
+        self._asleep = True
+        self._abort_queued()
+        self._abort.set()
+        try:
+            # Runs after the batch in flight, whose unfinished rows have just been aborted.
+            await self._on_thread(self._offload)
+        finally:
+            self._abort.clear()
+
+    def _offload(self) -> None:
+        if self._device.type == "cuda":
+            self._model.to("cpu")
+            torch.cuda.empty_cache()
+
+    async def wake_up(self) -> None:
+        if self._asleep and self._device.type == "cuda":
+            await self._on_thread(self._model.to, self._device)
+        self._asleep = False
+
+    async def health(self) -> EngineHealth:
+        return EngineHealth(
+            backend="hf",
+            model=self._model_path,
+            weight_version=self._weight_version,
+            num_in_flight=self._num_in_flight,
+            num_served=self._num_served,
+            asleep=self._asleep,
+        )
+
+    async def shutdown(self) -> None:
+        self._abort_queued()
+        self._abort.set()
+        self._thread.shutdown(wait=True)

@@ -1,0 +1,293 @@
+"""An OpenAI-compatible HTTP endpoint over an `InferenceEngineClient`.
+
+Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`
+(non-streaming). Chat prompts are built with the tokenizer's chat template.
+Beyond the OpenAI fields, requests may set `top_k` and `stop_token_ids`, the
+`X-Session-Id` header keeps a multi-turn session on one engine, and responses
+carry `prompt_token_ids` and per-choice `token_ids`, so external harnesses can
+produce token-exact rollouts. Every error is a JSON body
+`{"error": {"message", "type", "code"}}` with a 4xx status (5xx only when an
+engine fails); a malformed request never takes the server down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from skyrl.train.inference.client import EngineDeadError, InferenceEngineClient
+from skyrl.train.inference.config import OpenAIServerConfig, validate_server_config
+from skyrl.train.inference.engine import GenerationOutput, SamplingParams
+
+
+class _SamplingRequest(BaseModel):
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    n: int = Field(default=1, ge=1, le=64)
+    stream: bool = False
+
+
+class CompletionRequest(_SamplingRequest):
+    """`prompt` is a string (tokenized with special tokens, as vLLM does) or a list of token ids."""
+
+    prompt: str | list[int]
+    logprobs: int | None = Field(default=None, ge=0)
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+class APIError(Exception):
+    """An error answered as an OpenAI-style JSON body with `status`."""
+
+    def __init__(
+        self, status: int, message: str, code: str | None = None, type_: str = "invalid_request_error"
+    ):
+        super().__init__(message)
+        self.status, self.message, self.code, self.type = status, message, code, type_
+
+
+def _error_response(status: int, message: str, code: str | None, type_: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "code": code}}, status_code=status)
+
+
+class OpenAIServer:
+    """Serves the client's engines over HTTP on `cfg.host:cfg.port` (127.0.0.1 by default).
+
+    `start()` runs uvicorn as a task on the running event loop, the loop the
+    client is used from; `stop()` shuts it down. `url` is valid after `start()`.
+    """
+
+    def __init__(
+        self, client: InferenceEngineClient, model_path: str, cfg: OpenAIServerConfig | None = None
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg or OpenAIServerConfig()
+        validate_server_config(self.cfg)
+        self.client = client
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model_name = self.cfg.served_model_name or str(model_path)
+        self.app = self._build_app()
+        self._server: Any = None
+        self._task: asyncio.Task | None = None
+        self.port: int | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.port is not None, "start() the server first"
+        return f"http://{self.cfg.host}:{self.port}"
+
+    async def start(self) -> None:
+        """Bind and serve; returns once the socket accepts connections."""
+        import uvicorn
+
+        config = uvicorn.Config(
+            self.app, host=self.cfg.host, port=self.cfg.port, log_level="warning", lifespan="off"
+        )
+        self._server = uvicorn.Server(config)
+        self._task = asyncio.get_running_loop().create_task(self._server.serve())
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises the bind error
+                raise RuntimeError(
+                    f"the HTTP endpoint on {self.cfg.host}:{self.cfg.port} stopped while starting"
+                )
+            await asyncio.sleep(0.01)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        """Stop accepting requests and wait for the server task to end."""
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            await self._task
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="skyrl inference", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.middleware("http")
+        async def check_api_key(request: Request, call_next):
+            if self.cfg.api_key is not None:
+                given = request.headers.get("authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {self.cfg.api_key}".encode()):
+                    return _error_response(
+                        401, "invalid or missing API key", "invalid_api_key", "authentication_error"
+                    )
+            return await call_next(request)
+
+        @app.exception_handler(RequestValidationError)
+        async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+            errors = "; ".join(
+                f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+                for e in exc.errors()
+            )
+            return _error_response(400, f"malformed request: {errors}", None, "invalid_request_error")
+
+        @app.exception_handler(APIError)
+        async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+            return _error_response(exc.status, exc.message, exc.code, exc.type)
+
+        @app.exception_handler(Exception)
+        async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+            return _error_response(500, f"{type(exc).__name__}: {exc}", None, "server_error")
+
+        @app.get("/v1/models")
+        async def models() -> dict:
+            return {
+                "object": "list",
+                "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "skyrl"}],
+            }
+
+        @app.post("/v1/completions")
+        async def completions(body: CompletionRequest, request: Request) -> dict:
+            self._check_model(body.model)
+            if isinstance(body.prompt, str):
+                prompt_ids = self.tokenizer.encode(body.prompt)
+            else:
+                prompt_ids = body.prompt
+            params = self._sampling_params(body, body.max_tokens, logprobs=body.logprobs is not None)
+            outputs = await self._generate(prompt_ids, params, body.n, request.headers.get("x-session-id"))
+            choices = []
+            for i, out in enumerate(outputs):
+                choice: dict[str, Any] = {
+                    "index": i,
+                    "text": self._text(out, params),
+                    "finish_reason": out.stop_reason,
+                    "token_ids": out.response_ids,
+                    "logprobs": None,
+                }
+                if out.logprobs is not None:
+                    choice["logprobs"] = {
+                        "tokens": self.tokenizer.convert_ids_to_tokens(out.response_ids),
+                        "token_logprobs": out.logprobs,
+                    }
+                choices.append(choice)
+            return self._response("text_completion", prompt_ids, outputs, choices)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(body: ChatCompletionRequest, request: Request) -> dict:
+            self._check_model(body.model)
+            try:
+                prompt_ids = self.tokenizer.apply_chat_template(
+                    [m.model_dump() for m in body.messages],
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=False,
+                )
+            except Exception as exc:  # template errors depend on the user's messages
+                raise APIError(400, f"the chat template failed on these messages: {exc}") from exc
+            params = self._sampling_params(
+                body, body.max_completion_tokens or body.max_tokens, logprobs=body.logprobs
+            )
+            outputs = await self._generate(prompt_ids, params, body.n, request.headers.get("x-session-id"))
+            choices = []
+            for i, out in enumerate(outputs):
+                logprobs = None
+                if out.logprobs is not None:
+                    tokens = self.tokenizer.convert_ids_to_tokens(out.response_ids)
+                    logprobs = {
+                        "content": [
+                            {"token": t, "logprob": lp, "top_logprobs": []}
+                            for t, lp in zip(tokens, out.logprobs, strict=True)
+                        ]
+                    }
+                choices.append(
+                    {
+                        "index": i,
+                        "message": {"role": "assistant", "content": self._text(out, params)},
+                        "finish_reason": out.stop_reason,
+                        "token_ids": out.response_ids,
+                        "logprobs": logprobs,
+                    }
+                )
+            return self._response("chat.completion", prompt_ids, outputs, choices)
+
+        return app
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(
+                404,
+                f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                "model_not_found",
+            )
+
+    def _sampling_params(
+        self, body: _SamplingRequest, max_tokens: int | None, logprobs: bool
+    ) -> SamplingParams:
+        if body.stream:
+            raise APIError(400, "stream=true is not supported; send stream=false", "unsupported_parameter")
+        stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        try:
+            return SamplingParams(
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=body.top_k,
+                max_tokens=max_tokens or self.cfg.default_max_tokens,
+                stop=tuple(stop),
+                stop_token_ids=tuple(body.stop_token_ids or ()),
+                logprobs=logprobs,
+                seed=body.seed,
+            )
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+
+    async def _generate(
+        self, prompt_ids: list[int], params: SamplingParams, n: int, session_id: str | None
+    ) -> list[GenerationOutput]:
+        try:
+            return list(
+                await asyncio.gather(
+                    *(self.client.generate(prompt_ids, params, session_id) for _ in range(n))
+                )
+            )
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), "engine_unavailable", "server_error") from exc
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+
+    def _text(self, out: GenerationOutput, params: SamplingParams) -> str:
+        text = self.tokenizer.decode(out.response_ids, skip_special_tokens=True)
+        # As in OpenAI's API, the matched stop string is not part of the text.
+        cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=len(text))
+        return text[:cut]
+
+    def _response(
+        self, kind: str, prompt_ids: list[int], outputs: list[GenerationOutput], choices: list
+    ) -> dict:
+        completion_tokens = sum(len(o.response_ids) for o in outputs)
+        return {
+            "id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "prompt_token_ids": prompt_ids,
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": completion_tokens,
+                "total_tokens": len(prompt_ids) + completion_tokens,
+            },
+        }

@@ -1,0 +1,116 @@
+"""Config checks and weight-update validation: pure functions, no engine."""
+
+import re
+
+import pytest
+import torch
+
+from skyrl.train.inference import (
+    InferenceEngineConfig,
+    OpenAIServerConfig,
+    SamplingParams,
+    WeightUpdateError,
+    validate_engine_config,
+    validate_server_config,
+    validate_weight_update,
+)
+from skyrl.train.inference.weights import checkpoint_weight_spec
+from skyrl.train.utils.errors import ConfigError
+
+
+def test_default_configs_are_valid():
+    validate_engine_config(InferenceEngineConfig())
+    validate_server_config(OpenAIServerConfig())
+    assert OpenAIServerConfig().host == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"backend": "tpu"}, "generator.inference_engine.backend='tpu' is not one of"),
+        ({"num_engines": 0}, "generator.inference_engine.num_engines=0 must be a positive number"),
+        (
+            {"gpu_memory_utilization": 1.5},
+            "generator.inference_engine.gpu_memory_utilization=1.5 must be in (0, 1]",
+        ),
+        ({"dtype": "fp8"}, "generator.inference_engine.dtype='fp8'"),
+        ({"kv_cache_memory_bytes": -1}, "generator.inference_engine.kv_cache_memory_bytes=-1"),
+        ({"backend": "hf", "tensor_parallel_size": 2}, "needs the vllm backend"),
+    ],
+)
+def test_invalid_engine_config_names_the_key_and_value(change, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate_engine_config(InferenceEngineConfig(**change))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [({"port": 70000}, "generator.http_endpoint.port=70000"), ({"api_key": ""}, "api_key='' is empty")],
+)
+def test_invalid_server_config_names_the_key_and_value(change, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate_server_config(OpenAIServerConfig(**change))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
+def test_out_of_range_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+SPEC = {
+    "model.layers.0.self_attn.q_proj.weight": (4, 4),
+    "model.layers.0.self_attn.k_proj.weight": (2, 4),
+    "model.layers.0.self_attn.v_proj.weight": (2, 4),
+    "model.layers.0.mlp.gate_proj.weight": (8, 4),
+    "model.layers.0.mlp.up_proj.weight": (8, 4),
+    "model.norm.weight": (4,),
+}
+
+
+def full_update():
+    return {name: torch.zeros(shape) for name, shape in SPEC.items()}
+
+
+def test_full_and_group_complete_partial_updates_are_accepted():
+    validate_weight_update(full_update(), SPEC)
+    validate_weight_update({n: t for n, t in full_update().items() if "mlp" in n or "norm" in n}, SPEC)
+
+
+@pytest.mark.parametrize(
+    ("update", "message"),
+    [
+        (
+            {"model.layers.0.mlp.gate_proj.weight": torch.zeros(8, 4)},
+            "missing ['model.layers.0.mlp.up_proj.weight']",
+        ),
+        (
+            {**full_update(), "model.norm.weight": torch.zeros(5)},
+            "model.norm.weight has shape (5,), the model's is (4,)",
+        ),
+        ({**full_update(), "lm_head.weight": torch.zeros(1)}, "unknown names ['lm_head.weight']"),
+        (
+            {**full_update(), "model.norm.weight": torch.zeros(4, dtype=torch.int32)},
+            "torch.int32, not a floating-point",
+        ),
+        ({}, "empty"),
+    ],
+    ids=["incomplete-fused-group", "wrong-shape", "unknown-name", "int-dtype", "empty"],
+)
+def test_bad_weight_update_is_rejected_with_every_problem_named(update, message):
+    with pytest.raises(WeightUpdateError, match=re.escape(message)):
+        validate_weight_update(update, SPEC)
+
+
+def test_checkpoint_spec_covers_every_state_dict_name(tiny_model_path, reference_model):
+    spec = checkpoint_weight_spec(str(tiny_model_path))
+    assert spec == {name: tuple(t.shape) for name, t in reference_model.state_dict().items()}

@@ -1,0 +1,197 @@
+"""The engine contract, checked the same way for the vllm and hf backends (one real engine actor each)."""
+
+import asyncio
+import re
+
+import pytest
+import torch
+
+from skyrl.train.inference import SamplingParams, WeightUpdateError
+
+from .conftest import perturbed_copy, reference_logprobs, start_client
+
+# Greedy decoding of the seed-0 tiny model repeats the last prompt token and never emits eos.
+LOOP_PROMPT = [1, 20, 21]
+PROMPTS = [[1, 10, 11, 12], [1, 20], [5, 6, 7, 8, 9, 10, 11, 40, 41, 42]]
+
+
+@pytest.fixture(scope="module", params=["vllm", "hf"])
+def client(request, ray_cluster, tiny_model_path):
+    client = start_client(request.param, tiny_model_path)
+    yield client
+    client.shutdown()
+
+
+def generate(client, prompt, params):
+    return asyncio.run(client.generate(prompt, params))
+
+
+def generate_all(client, prompts, params):
+    async def run():
+        return await asyncio.gather(*(client.generate(p, params) for p in prompts))
+
+    return asyncio.run(run())
+
+
+def assert_logprobs_match(model, prompt, out, temperature, top_k=None):
+    assert out.logprobs is not None and len(out.logprobs) == len(out.response_ids)
+    expected = reference_logprobs(model, prompt, out.response_ids, temperature, top_k)
+    torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=0)
+
+
+def test_max_tokens_ends_the_response_with_reason_length(client):
+    out = generate(client, LOOP_PROMPT, SamplingParams(temperature=0, max_tokens=7))
+    assert out.response_ids == [LOOP_PROMPT[-1]] * 7
+    assert out.stop_reason == "length"
+
+
+def test_stop_token_id_ends_the_response_and_is_its_last_token(client):
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=7)
+    full = generate(client, PROMPTS[0], params)
+    stop_id = full.response_ids[3]
+    cut = full.response_ids.index(stop_id) + 1
+    out = generate(
+        client, PROMPTS[0], SamplingParams(temperature=1.0, max_tokens=12, seed=7, stop_token_ids=[stop_id])
+    )
+    assert out.response_ids == full.response_ids[:cut]
+    assert out.stop_reason == "stop"
+
+
+def test_stop_string_ends_the_response_at_the_token_that_completes_it(client, tokenizer):
+    params = SamplingParams(temperature=1.0, max_tokens=24, seed=11)
+    full = generate(client, PROMPTS[2], params).response_ids
+
+    def text(n):
+        return tokenizer.decode(full[:n], skip_special_tokens=True)
+
+    def candidate(j):  # 2 printable characters that first appear once token j is generated
+        s = text(j + 1)[-2:]
+        return s.isprintable() and s.strip() and "\ufffd" not in s and s not in text(j)
+
+    j = next(j for j in range(2, len(full)) if candidate(j))
+    stop = text(j + 1)[-2:]
+    out = generate(client, PROMPTS[2], SamplingParams(temperature=1.0, max_tokens=24, seed=11, stop=[stop]))
+    assert out.response_ids == full[: j + 1]
+    assert out.stop_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k"),
+    [(1.0, None), (0.7, None), (0.0, None), (0.8, 20)],
+    ids=["t1", "t0.7", "greedy", "topk"],
+)
+def test_sampled_token_logprobs_match_an_hf_forward(client, reference_model, temperature, top_k):
+    params = SamplingParams(temperature=temperature, top_k=top_k, max_tokens=16, seed=3)
+    outputs = generate_all(
+        client, PROMPTS, params
+    )  # concurrent, different prompt lengths: batched and padded
+    for prompt, out in zip(PROMPTS, outputs, strict=True):
+        assert out.response_ids
+        assert_logprobs_match(reference_model, prompt, out, temperature, top_k)
+
+
+def test_logprobs_off_returns_none(client):
+    out = generate(client, PROMPTS[0], SamplingParams(max_tokens=4, logprobs=False))
+    assert out.logprobs is None and len(out.response_ids) >= 1
+
+
+def test_update_weights_switches_to_the_perturbed_model(client, reference_model):
+    perturbed = perturbed_copy(reference_model)
+    # 300 tokens fill whole KV blocks (128 tokens on CPU), so a stale prefix cache would be reused after the update.
+    prompt = [(7 * i) % 500 + 3 for i in range(300)]
+    params = SamplingParams(temperature=0.9, max_tokens=8, seed=5)
+    before = generate(client, prompt, params)
+    assert_logprobs_match(reference_model, prompt, before, 0.9)
+    version = client.weight_version + 1
+    asyncio.run(client.update_weights(perturbed.state_dict(), version))
+    try:
+        assert client.weight_version == version
+        after = generate(client, prompt, params)
+        assert after.weight_version == version
+        assert_logprobs_match(perturbed, prompt, after, 0.9)
+        assert [h.weight_version for h in asyncio.run(client.health())] == [version]
+    finally:
+        asyncio.run(client.update_weights(reference_model.state_dict(), version + 1))
+    assert_logprobs_match(reference_model, prompt, generate(client, prompt, params), 0.9)
+
+
+def test_update_weights_while_a_request_runs_lets_it_finish(client, reference_model):
+    perturbed = perturbed_copy(reference_model, seed=1)
+
+    async def run():
+        running = asyncio.ensure_future(
+            client.generate(LOOP_PROMPT, SamplingParams(temperature=0, max_tokens=400))
+        )
+        while sum(h.num_in_flight for h in await client.health()) == 0:
+            await asyncio.sleep(0.01)
+        await client.update_weights(perturbed.state_dict(), client.weight_version + 1)
+        try:
+            return await running, (await client.health())[0].num_in_flight
+        finally:
+            await client.update_weights(reference_model.state_dict(), client.weight_version + 1)
+
+    out, in_flight = asyncio.run(run())
+    assert out.stop_reason in ("length", "stop") and 1 <= len(out.response_ids) <= 400
+    assert in_flight == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda sd: {**sd, "model.embed_tokens.weight": torch.zeros(3, 3)}, "has shape (3, 3)"),
+        (lambda sd: {**sd, "model.layers.9.mlp.up_proj.weight": torch.zeros(4)}, "unknown names"),
+        (
+            lambda sd: {
+                "model.layers.0.self_attn.q_proj.weight": sd["model.layers.0.self_attn.q_proj.weight"]
+            },
+            "fused",
+        ),
+        (
+            lambda sd: {**sd, "model.norm.weight": sd["model.norm.weight"].long()},
+            "not a floating-point dtype",
+        ),
+        (lambda sd: {}, "empty"),
+    ],
+    ids=["wrong-shape", "unknown-name", "partial-qkv", "int-dtype", "empty"],
+)
+def test_malformed_weight_update_is_rejected_and_the_engine_keeps_serving(
+    client, reference_model, change, message
+):
+    version = client.weight_version
+    bad = change({k: v * 2 for k, v in reference_model.state_dict().items()})
+    with pytest.raises(WeightUpdateError, match=re.escape(message)):
+        asyncio.run(client.update_weights(bad, version + 1))
+    assert client.weight_version == version
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=2)
+    assert_logprobs_match(reference_model, PROMPTS[0], generate(client, PROMPTS[0], params), 1.0)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [([1, 10**6], "outside the vocabulary"), ([1] * 5000, "maximum model length"), ([], "empty")],
+    ids=["out-of-vocab", "too-long", "empty"],
+)
+def test_invalid_prompt_is_rejected_and_the_engine_keeps_serving(client, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        generate(client, prompt, SamplingParams(max_tokens=4))
+    assert generate(client, LOOP_PROMPT, SamplingParams(temperature=0, max_tokens=3)).response_ids == [21] * 3
+
+
+def test_sleep_aborts_requests_in_flight_and_wake_up_resumes(client):
+    async def run():
+        long = asyncio.ensure_future(
+            client.generate(LOOP_PROMPT, SamplingParams(temperature=0, max_tokens=2000))
+        )
+        while sum(h.num_in_flight for h in await client.health()) == 0:
+            await asyncio.sleep(0.01)
+        await client.sleep()
+        aborted = await long
+        with pytest.raises(RuntimeError, match="asleep"):
+            await client.generate(LOOP_PROMPT, SamplingParams(max_tokens=2))
+        assert all(h.asleep for h in await client.health())
+        await client.wake_up()
+        return aborted, await client.generate(LOOP_PROMPT, SamplingParams(temperature=0, max_tokens=3))
+
+    aborted, resumed = asyncio.run(run())
+    assert aborted.stop_reason == "abort" and aborted.response_ids == [] and aborted.logprobs is None
+    assert resumed.response_ids == [21] * 3 and resumed.stop_reason == "length"

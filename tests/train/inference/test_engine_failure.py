@@ -1,0 +1,53 @@
+"""A killed engine actor fails its requests with an error naming it; the client restarts it with current weights."""
+
+import asyncio
+
+import pytest
+import ray
+import torch
+
+from skyrl.train.inference import EngineDeadError, SamplingParams
+
+from .conftest import perturbed_copy, reference_logprobs, start_client
+
+LOOP_PROMPT = [1, 20, 21]
+
+
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_killed_engine_fails_requests_clearly_and_restarts_with_current_weights(
+    backend, ray_cluster, tiny_model_path, reference_model
+):
+    client = start_client(backend, tiny_model_path)
+    try:
+        perturbed = perturbed_copy(reference_model, seed=3)
+        asyncio.run(client.update_weights(perturbed.state_dict(), 1))
+
+        async def kill_during_a_request():
+            running = asyncio.ensure_future(
+                client.generate(LOOP_PROMPT, SamplingParams(temperature=0, max_tokens=2000), session_id="s")
+            )
+            while sum(h.num_in_flight for h in await client.health()) == 0:
+                await asyncio.sleep(0.01)
+            index = next(i for i, h in enumerate(await client.health()) if h.num_in_flight)
+            ray.kill(client.engines[index])
+            with pytest.raises(
+                EngineDeadError,
+                match=rf"inference engine {index} is dead; restart it with `await client.restart_engine\({index}\)`",
+            ):
+                await running
+            return index
+
+        index = asyncio.run(kill_during_a_request())
+        with pytest.raises(EngineDeadError, match=f"inference engine {index}"):  # sticky session, dead engine
+            asyncio.run(client.generate(LOOP_PROMPT, SamplingParams(max_tokens=2), session_id="s"))
+        with pytest.raises(EngineDeadError, match=f"inference engine {index}"):
+            asyncio.run(client.health())
+
+        asyncio.run(client.restart_engine(index))
+        assert [h.weight_version for h in asyncio.run(client.health())] == [1]
+        out = asyncio.run(client.generate([1, 10, 11], SamplingParams(max_tokens=8, seed=1), session_id="s"))
+        assert out.weight_version == 1
+        expected = reference_logprobs(perturbed, [1, 10, 11], out.response_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=0)
+    finally:
+        client.shutdown()

@@ -1,0 +1,152 @@
+"""The OpenAI-compatible endpoint with a real HTTP client on 127.0.0.1 and a real engine behind it."""
+
+import asyncio
+import threading
+
+import httpx
+import pytest
+
+from skyrl.train.inference.config import OpenAIServerConfig
+from skyrl.train.inference.openai_server import OpenAIServer
+
+from .conftest import start_client
+
+API_KEY = "test-key"
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster, tiny_model_path):
+    client = start_client("hf", tiny_model_path)
+    loop = asyncio.new_event_loop()  # the server and its client live on this loop, as in a driver
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server = OpenAIServer(
+        client, tiny_model_path, OpenAIServerConfig(port=0, api_key=API_KEY, served_model_name=MODEL)
+    )
+    asyncio.run_coroutine_threadsafe(server.start(), loop).result(timeout=30)
+    yield server
+    asyncio.run_coroutine_threadsafe(server.stop(), loop).result(timeout=30)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
+    client.shutdown()
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(
+        base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
+    ) as http:
+        yield http
+
+
+def assert_error(response, status, text):
+    assert response.status_code == status, response.text
+    assert text in response.json()["error"]["message"]
+
+
+def test_server_binds_localhost_on_a_free_port(server):
+    assert server.url.startswith("http://127.0.0.1:") and server.port > 0
+
+
+def test_models_lists_the_served_model(http):
+    response = http.get("/v1/models")
+    assert response.status_code == 200
+    assert [m["id"] for m in response.json()["data"]] == [MODEL]
+
+
+def test_completion_returns_text_token_ids_and_logprobs(http, tokenizer):
+    body = {"model": MODEL, "prompt": "Guess the hidden number", "max_tokens": 6, "seed": 1, "logprobs": 0}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    choice = data["choices"][0]
+    assert data["prompt_token_ids"] == tokenizer.encode("Guess the hidden number")
+    assert 1 <= len(choice["token_ids"]) <= 6 and choice["finish_reason"] in ("stop", "length")
+    assert choice["text"] == tokenizer.decode(choice["token_ids"], skip_special_tokens=True)
+    assert len(choice["logprobs"]["token_logprobs"]) == len(choice["token_ids"])
+    assert data["usage"]["completion_tokens"] == len(choice["token_ids"])
+
+
+def test_completion_accepts_token_ids_and_n(http):
+    body = {"model": MODEL, "prompt": [1, 20, 21], "max_tokens": 3, "temperature": 0, "n": 2}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert [c["token_ids"] for c in response.json()["choices"]] == [[21, 21, 21]] * 2
+
+
+def test_completion_cuts_the_stop_string_from_the_text(http, tokenizer):
+    body = {"model": MODEL, "prompt": [1, 10, 11], "max_tokens": 12, "seed": 4}
+    full = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    stop = next(full[i : i + 2] for i in range(2, len(full) - 1) if full[i : i + 2].strip().isalnum())
+    choice = http.post("/v1/completions", json={**body, "stop": stop}).json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["text"] == full[: full.index(stop)]
+
+
+def test_chat_completion_uses_the_chat_template(http, tokenizer):
+    messages = [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "Guess"}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 5, "seed": 2, "logprobs": True}
+    response = http.post("/v1/chat/completions", json=body, headers={"X-Session-Id": "episode-1"})
+    assert response.status_code == 200, response.text
+    data = response.json()
+    expected = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert data["prompt_token_ids"] == expected
+    choice = data["choices"][0]
+    assert choice["message"]["role"] == "assistant"
+    assert choice["message"]["content"] == tokenizer.decode(choice["token_ids"], skip_special_tokens=True)
+    assert len(choice["logprobs"]["content"]) == len(choice["token_ids"])
+
+
+def test_bad_json_is_a_400(http):
+    response = http.post(
+        "/v1/completions",
+        content=b'{"model": "tiny", "prompt": ',
+        headers={"content-type": "application/json"},
+    )
+    assert_error(response, 400, "malformed request")
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "text"),
+    [
+        ("/v1/completions", {"model": MODEL}, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, "temperature"),
+        ("/v1/completions", {"model": MODEL, "prompt": [1, 10**6]}, "outside the vocabulary"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": True}, "stream"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, "content"),
+    ],
+    ids=[
+        "no-prompt",
+        "negative-temperature",
+        "out-of-vocab",
+        "stream",
+        "no-messages",
+        "message-without-content",
+    ],
+)
+def test_malformed_request_is_a_400(http, path, body, text):
+    assert_error(http.post(path, json=body), 400, text)
+
+
+def test_unknown_model_is_a_404(http):
+    response = http.post("/v1/completions", json={"model": "gpt-9", "prompt": "hi"})
+    assert_error(response, 404, "'gpt-9' does not exist")
+    assert response.json()["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}], ids=["missing", "wrong"])
+def test_bad_or_missing_api_key_is_a_401(server, headers):
+    response = httpx.get(f"{server.url}/v1/models", headers=headers)
+    assert_error(response, 401, "API key")
+
+
+def test_server_keeps_serving_after_errors(http):
+    http.post("/v1/completions", content=b"\xff\xfe", headers={"content-type": "application/json"})
+    response = http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": [1, 20, 21], "max_tokens": 2, "temperature": 0}
+    )
+    assert response.status_code == 200 and response.json()["choices"][0]["token_ids"] == [21, 21]

@@ -1,0 +1,34 @@
+"""vLLM with tensor_parallel_size=2 (worker processes, the `mp` executor) on CPU: same contract, no orphans."""
+
+import asyncio
+import os
+
+import psutil
+import ray
+import torch
+
+from skyrl.train.inference import SamplingParams
+
+from .conftest import perturbed_copy, reference_logprobs, start_client
+
+
+def test_tensor_parallel_engine_serves_updated_weights_and_shutdown_reaps_its_workers(
+    ray_cluster, tiny_model_path, reference_model
+):
+    client = start_client("vllm", tiny_model_path, tensor_parallel_size=2, num_cpus_per_engine=2)
+    try:
+        pid = ray.get(client.engines[0].__ray_call__.remote(lambda self: os.getpid()))
+        workers = [
+            p for p in psutil.Process(pid).children(recursive=True) if p.name().startswith("VLLM::Worker")
+        ]
+        assert len(workers) == 2, [p.name() for p in psutil.Process(pid).children(recursive=True)]
+        perturbed = perturbed_copy(reference_model, seed=4)
+        asyncio.run(client.update_weights(perturbed.state_dict(), 1))
+        prompt = [1, 10, 11, 12]
+        out = asyncio.run(client.generate(prompt, SamplingParams(temperature=0.8, max_tokens=8, seed=0)))
+        expected = reference_logprobs(perturbed, prompt, out.response_ids, 0.8)
+        torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=0)
+    finally:
+        client.shutdown()
+    _, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive, f"vLLM workers outlived the engine: {alive}"
