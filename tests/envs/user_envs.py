@@ -12,3 +12,26 @@ class EchoLengthEnv(BaseTextEnv):
 
 class NotAnEnv:
     pass
+
+
+class ChattyEnv(BaseTextEnv):
+    """Answers every turn with "Again.", done after `env_config['turns']` turns with reward 1."""
+
+    def __init__(self, env_config=None, extras=None):
+        super().__init__(env_config, extras)
+        self.turns = 0
+
+    def step(self, action: str) -> BaseTextEnvStepOutput:
+        self.turns += 1
+        done = self.turns >= int(self.env_config.get("turns", 3))
+        observations = [] if done else [{"role": "user", "content": "Again."}]
+        return BaseTextEnvStepOutput(observations, 1.0 if done else 0.0, done)
+
+
+class FlakyEnv(ChattyEnv):
+    """A ChattyEnv that raises on its second step when the row's `fail` column is true."""
+
+    def step(self, action: str) -> BaseTextEnvStepOutput:
+        if self.extras.get("fail") and self.turns == 1:
+            raise RuntimeError("simulated env crash")
+        return super().step(action)

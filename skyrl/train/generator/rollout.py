@@ -1,0 +1,268 @@
+"""The multi-turn rollout manager: episodes of prompts x samples against environments, token-exact.
+
+Per episode: the env builds the first messages (`init`), the tokenizer's chat
+template renders them once, then each turn the engine generates from the exact
+context ids, the env `step`s on the decoded text, and the observation tokens are
+the chat-template delta of the appended messages (generation prompt included):
+
+    context_{k+1} = context_k + response_k (the engine's own ids) + observation_k
+
+Observation tokens are never trained on (loss mask 0); the response keeps the
+engine's token ids, never re-tokenised. An env that raises ends only its episode
+(reward 0, error recorded); the batch fails only above `max_env_failure_fraction`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import statistics
+import time
+import zlib
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from skyrl.envs import BaseTextEnv, make
+from skyrl.train.dataset.preprocess import Trajectory, Turn
+from skyrl.train.dataset.prompt_dataset import PromptRow
+from skyrl.train.inference.engine import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EnvFailure(Exception):
+    """An environment raised; the episode ends with reward 0."""
+
+
+@dataclass
+class GeneratorConfig:
+    """Rollout settings; `max_input_length` bounds the whole context, `max_generate_length` one turn."""
+
+    n_samples_per_prompt: int = 4
+    max_turns: int = 4
+    max_input_length: int = 1024
+    max_generate_length: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    env_class: str = "guess_number"  # a dataset row's env_class column overrides it
+    env_configs: dict[str, dict[str, Any]] = field(default_factory=dict)  # per env name
+    env_workers: int = 8
+    max_env_failure_fraction: float = 0.5
+    seed: int | None = None  # set: every request gets a seed derived from it, the trajectory and the turn
+
+
+@dataclass
+class Episode:
+    """One finished episode: its trajectory and how it ended."""
+
+    trajectory: Trajectory
+    stop_reason: str  # done | max_turns | length | error | abort
+    reward: float
+    error: str | None = None
+    env_metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_turns(self) -> int:
+        return sum(1 for t in self.trajectory.turns if any(t.loss_mask))
+
+
+@dataclass
+class GeneratorOutput:
+    episodes: list[Episode]
+    metrics: dict[str, float]
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        return [e.trajectory for e in self.episodes]
+
+
+class ChatTemplateDelta:
+    """Token ids the chat template puts between turns, computed once per tokenizer.
+
+    `observation(messages)` is what follows a finished assistant turn: the appended
+    messages and the generation prompt. `close_turn(response)` is what must follow
+    a response to finish the assistant turn as the template writes it (the rest of
+    the end-of-turn suffix after an eos, or the whole suffix when generation was cut).
+    """
+
+    BASE = ({"role": "user", "content": "x"}, {"role": "assistant", "content": "y"})
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        base = self._render(list(self.BASE), add_generation_prompt=False)
+        eos = tokenizer.eos_token_id
+        if eos not in base:
+            raise ValueError(
+                f"the chat template does not end assistant turns with the eos token {tokenizer.eos_token!r}; "
+                "multi-turn token-exact rollouts need it"
+            )
+        self.eos = eos
+        self.base_length = len(base)
+        self.turn_suffix = base[len(base) - base[::-1].index(eos) - 1 :]  # eos and what follows it
+
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True
+        )
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        return self._render(messages, add_generation_prompt=True)
+
+    def close_turn(self, response_ids: list[int]) -> list[int]:
+        return self.turn_suffix[1:] if response_ids and response_ids[-1] == self.eos else self.turn_suffix
+
+    def observation(self, messages: list[dict[str, str]]) -> list[int]:
+        return self._render([*self.BASE, *messages], add_generation_prompt=True)[self.base_length :]
+
+
+class RolloutManager:
+    """Runs `n_samples_per_prompt` episodes per prompt concurrently against an engine client."""
+
+    def __init__(self, client: Any, tokenizer: Any, cfg: GeneratorConfig):
+        self.client, self.tokenizer, self.cfg = client, tokenizer, cfg
+        self.template = ChatTemplateDelta(tokenizer)
+
+    def _sampling(self, context_length: int, trajectory_id: str, turn: int) -> SamplingParams:
+        budget = min(self.cfg.max_generate_length, self.cfg.max_input_length - context_length)
+        # a stable per-request seed makes rollouts reproducible (e.g. across a resume) on engines that honour it
+        seed = (
+            None if self.cfg.seed is None else zlib.crc32(f"{self.cfg.seed}/{trajectory_id}/{turn}".encode())
+        )
+        return SamplingParams(
+            temperature=self.cfg.temperature,
+            top_p=self.cfg.top_p,
+            top_k=self.cfg.top_k,
+            max_tokens=budget,
+            seed=seed,
+        )
+
+    def generate(self, prompts: list[PromptRow], uids: list[str] | None = None) -> GeneratorOutput:
+        """Episodes for every prompt x sample, grouped by prompt; see `agenerate`."""
+        return asyncio.run(self.agenerate(prompts, uids))
+
+    async def agenerate(self, prompts: list[PromptRow], uids: list[str] | None = None) -> GeneratorOutput:
+        """Episodes for every prompt x sample, in prompt order (the samples of a prompt contiguous).
+
+        `uids[i]` names prompt i's group (default `p{i}`); trajectory ids are `uid/sample`.
+        Raises `RuntimeError` quoting the first errors when more than
+        `max_env_failure_fraction` of the episodes failed in their environment.
+        """
+        uids = uids or [f"p{i}" for i in range(len(prompts))]
+        start = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=self.cfg.env_workers, thread_name_prefix="skyrl-env") as pool:
+            episodes = await asyncio.gather(
+                *(
+                    self._episode(row, uid, f"{uid}/{s}", pool)
+                    for row, uid in zip(prompts, uids, strict=True)
+                    for s in range(self.cfg.n_samples_per_prompt)
+                )
+            )
+        failures = [e for e in episodes if e.stop_reason == "error"]
+        if len(failures) > self.cfg.max_env_failure_fraction * len(episodes):
+            quoted = "; ".join(f"{e.trajectory.trajectory_id}: {e.error}" for e in failures[:3])
+            raise RuntimeError(
+                f"{len(failures)} of {len(episodes)} episodes failed in their environment (more than "
+                f"generator.max_env_failure_fraction={self.cfg.max_env_failure_fraction}); first errors: {quoted}"
+            )
+        return GeneratorOutput(
+            episodes, rollout_metrics(episodes, self.cfg.n_samples_per_prompt, time.perf_counter() - start)
+        )
+
+    async def _env_call(self, pool: ThreadPoolExecutor, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` in the env thread pool; anything it raises becomes an `EnvFailure`."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+        except Exception as e:
+            raise EnvFailure(f"{getattr(fn, '__qualname__', fn)} raised {type(e).__name__}: {e}") from e
+
+    async def _episode(
+        self, row: PromptRow, uid: str, trajectory_id: str, pool: ThreadPoolExecutor
+    ) -> Episode:
+        env_class = row.env_class or self.cfg.env_class
+        turns: list[Turn] = []
+        env: BaseTextEnv | None = None
+        try:
+            env = await self._env_call(
+                pool, make, env_class, self.cfg.env_configs.get(env_class, {}), row.extras
+            )
+            messages, _ = await self._env_call(pool, env.init, row.prompt)
+            context = self.template.prompt(messages)
+            stop_reason, total = "max_turns", 0.0
+            for _ in range(self.cfg.max_turns):
+                if len(context) >= self.cfg.max_input_length:
+                    stop_reason = "length"
+                    break
+                out = await self.client.generate(
+                    context, self._sampling(len(context)), session_id=trajectory_id
+                )
+                if out.stop_reason == "abort":
+                    stop_reason = "abort"
+                    break
+                response = list(out.response_ids)
+                text = self.tokenizer.decode(response, skip_special_tokens=True)
+                step = await self._env_call(pool, env.step, text)
+                turns.append(
+                    Turn(list(context), response, list(out.logprobs), [1] * len(response), float(step.reward))
+                )
+                total += float(step.reward)
+                if step.done:
+                    stop_reason = "done"
+                    break
+                context = context + response + self.template.close_turn(response)
+                context += self.template.observation(step.observations)
+            metrics = await self._env_call(pool, env.get_metrics)
+            return Episode(
+                Trajectory(uid, trajectory_id, turns or self._empty_turn(row)),
+                stop_reason,
+                total,
+                None,
+                metrics,
+            )
+        except EnvFailure as e:  # ends this episode only, scored 0
+            for turn in turns:
+                turn.reward = 0.0
+            return Episode(
+                Trajectory(uid, trajectory_id, turns or self._empty_turn(row)), "error", 0.0, str(e)
+            )
+        finally:
+            self.client.end_session(trajectory_id)
+            if env is not None:
+                try:
+                    await self._env_call(pool, env.close)
+                except EnvFailure as e:
+                    logger.warning("episode %s: %s", trajectory_id, e)
+
+    def _empty_turn(self, row: PromptRow) -> list[Turn]:
+        """A placeholder turn for an episode that produced no response: trains nothing (loss mask 0)."""
+        return [Turn(self.template.prompt(row.prompt), [self.template.eos], [0.0], [0], 0.0)]
+
+
+def rollout_metrics(episodes: list[Episode], n_samples_per_prompt: int, seconds: float) -> dict[str, float]:
+    """Reward statistics, pass@n, turns, response lengths, stop reasons, env failures and metrics, timing."""
+    rewards = [e.reward for e in episodes]
+    groups = [rewards[i : i + n_samples_per_prompt] for i in range(0, len(rewards), n_samples_per_prompt)]
+    response_tokens = [
+        sum(len(t.response_ids) for t in e.trajectory.turns if any(t.loss_mask)) for e in episodes
+    ]
+    metrics = {
+        "reward/mean": statistics.fmean(rewards),
+        "reward/std": statistics.pstdev(rewards),
+        f"reward/pass@{n_samples_per_prompt}": statistics.fmean(max(g) > 0 for g in groups),
+        "episode/turns": statistics.fmean(e.num_turns for e in episodes),
+        "episode/response_tokens_mean": statistics.fmean(response_tokens),
+        "episode/response_tokens_max": float(max(response_tokens)),
+        "episode/env_failures": float(sum(e.stop_reason == "error" for e in episodes)),
+        "timing/generate_s": seconds,
+    }
+    for reason, count in Counter(e.stop_reason for e in episodes).items():
+        metrics[f"episode/stop_{reason}"] = count / len(episodes)
+    env_keys = {k for e in episodes for k in e.env_metrics}
+    for key in sorted(env_keys):
+        values = [e.env_metrics[key] for e in episodes if key in e.env_metrics]
+        metrics[f"env/{key}"] = statistics.fmean(values) if values else math.nan
+    return metrics

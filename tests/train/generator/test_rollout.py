@@ -1,0 +1,157 @@
+"""The rollout manager against a real tiny model behind real engine actors."""
+
+import pytest
+from transformers import AutoTokenizer
+
+from skyrl.train.dataset.preprocess import trajectories_to_sequences
+from skyrl.train.dataset.prompt_dataset import parse_rows
+from skyrl.train.generator.rollout import GeneratorConfig, RolloutManager
+from skyrl.train.inference import InferenceEngineClient, InferenceEngineConfig
+
+CHATTY = "tests.envs.user_envs:ChattyEnv"
+PROMPTS = parse_rows(
+    [
+        {"prompt": [{"role": "system", "content": "Play."}, {"role": "user", "content": "Go."}]},
+        {"prompt": "Start.", "fail": True},
+    ],
+    "test",
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path):
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+def start_client(backend, model_path):
+    cfg = InferenceEngineConfig(backend=backend, device="cpu", kv_cache_memory_bytes=64 << 20)
+    return InferenceEngineClient.from_config(cfg, str(model_path))
+
+
+@pytest.fixture(scope="module")
+def hf_client(ray_cluster, tiny_model_path):
+    client = start_client("hf", tiny_model_path)
+    yield client
+    client.shutdown()
+
+
+def manager(client, tokenizer, **overrides):
+    settings = {
+        "n_samples_per_prompt": 3,
+        "max_turns": 3,
+        "max_generate_length": 6,
+        "env_class": CHATTY,
+        "env_configs": {CHATTY: {"turns": 3}},
+    }
+    cfg = GeneratorConfig(**{**settings, **overrides})
+    return RolloutManager(client, tokenizer, cfg)
+
+
+def assert_token_exact(episode, tokenizer):
+    """Each turn's context = previous context + engine response + chat-template observation, and the
+    decoded conversation equals the chat template applied to the messages."""
+    turns = episode.trajectory.turns
+    messages = [{"role": "system", "content": "Play."}, {"role": "user", "content": "Go."}]
+    for k, turn in enumerate(turns):
+        assert turn.loss_mask == [1] * len(turn.response_ids)
+        assert len(turn.logprobs) == len(turn.response_ids)
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert tokenizer.decode(turn.context_ids) == rendered
+        if k + 1 < len(turns):
+            nxt = turns[k + 1].context_ids
+            assert (
+                nxt[: len(turn.context_ids) + len(turn.response_ids)] == turn.context_ids + turn.response_ids
+            )
+            content = (
+                turn.response_ids[:-1]
+                if turn.response_ids[-1] == tokenizer.eos_token_id
+                else turn.response_ids
+            )
+            messages += [
+                {"role": "assistant", "content": tokenizer.decode(content)},
+                {"role": "user", "content": "Again."},
+            ]
+
+
+def test_multi_turn_episodes_are_token_exact_with_the_hf_engine(hf_client, tokenizer):
+    out = manager(hf_client, tokenizer).generate(PROMPTS[:1])
+    assert len(out.episodes) == 3
+    for episode in out.episodes:
+        assert episode.stop_reason == "done" and episode.num_turns == 3 and episode.reward == 1.0
+        assert_token_exact(episode, tokenizer)
+    assert out.metrics["episode/turns"] == 3.0 and out.metrics["reward/mean"] == 1.0
+
+
+def test_loss_masked_tokens_decode_to_exactly_the_model_outputs(hf_client, tokenizer):
+    (episode,) = manager(hf_client, tokenizer, n_samples_per_prompt=1).generate(PROMPTS[:1]).episodes
+    (whole,) = trajectories_to_sequences([episode.trajectory], step_wise=False)
+    trained = [t for t, m in zip(whole.response_ids, whole.loss_mask, strict=True) if m]
+    assert trained == [t for turn in episode.trajectory.turns for t in turn.response_ids]
+    assert sum(whole.loss_mask) < len(whole.response_ids)  # observation tokens are there, masked out
+
+
+def test_stepwise_decomposition_of_real_episodes(hf_client, tokenizer):
+    out = manager(hf_client, tokenizer).generate(PROMPTS[:1] * 2, uids=["a", "b"])
+    seqs = trajectories_to_sequences(out.trajectories, step_wise=True)
+    assert len(seqs) == sum(e.num_turns for e in out.episodes) == 18
+    assert [s.uid for s in seqs] == ["a"] * 9 + ["b"] * 9
+    assert [s.is_last_step for s in seqs[:3]] == [False, False, True]
+    assert [s.trajectory_id for s in seqs[:4]] == ["a/0"] * 3 + ["a/1"]
+
+
+def test_builtin_env_from_config_runs(hf_client, tokenizer):
+    from skyrl.envs import guess_number
+
+    rows = parse_rows(guess_number.make_dataset(2, seed=0), "guess")
+    cfg = GeneratorConfig(n_samples_per_prompt=2, max_turns=4, max_generate_length=2, env_class="unused")
+    out = RolloutManager(hf_client, tokenizer, cfg).generate(rows)
+    assert len(out.episodes) == 4
+    assert all(e.stop_reason in ("done", "max_turns") for e in out.episodes)
+    assert {"reward/mean", "reward/pass@2", "env/guesses", "timing/generate_s"} <= set(out.metrics)
+
+
+def test_a_crashing_env_fails_its_episode_only(hf_client, tokenizer):
+    flaky = "tests.envs.user_envs:FlakyEnv"
+    mgr = manager(hf_client, tokenizer, env_class=flaky, env_configs={flaky: {"turns": 3}})
+    out = mgr.generate(PROMPTS)
+    good, bad = out.episodes[:3], out.episodes[3:]
+    assert all(e.stop_reason == "done" and e.reward == 1.0 for e in good)
+    for e in bad:
+        assert e.stop_reason == "error" and e.reward == 0.0 and "simulated env crash" in e.error
+        assert all(t.reward == 0.0 for t in e.trajectory.turns)
+    assert out.metrics["episode/env_failures"] == 3.0
+    assert out.metrics["reward/mean"] == 0.5
+
+
+def test_too_many_env_failures_fail_the_step_quoting_the_error(hf_client, tokenizer):
+    flaky = "tests.envs.user_envs:FlakyEnv"
+    mgr = manager(hf_client, tokenizer, env_class=flaky, max_env_failure_fraction=0.25)
+    with pytest.raises(RuntimeError, match=r"3 of 6 episodes failed .* simulated env crash"):
+        mgr.generate(PROMPTS)
+
+
+def test_an_unknown_env_fails_with_the_registered_names(hf_client, tokenizer):
+    mgr = manager(hf_client, tokenizer, env_class="sokoban")
+    with pytest.raises(RuntimeError, match=r"unknown environment 'sokoban'; registered: \["):
+        mgr.generate(PROMPTS[:1])
+
+
+def test_context_over_max_input_length_stops_with_length(hf_client, tokenizer):
+    (episode,) = (
+        manager(hf_client, tokenizer, n_samples_per_prompt=1, max_input_length=30)
+        .generate(PROMPTS[:1])
+        .episodes
+    )
+    assert episode.stop_reason == "length"
+    assert all(len(t.context_ids) + len(t.response_ids) <= 30 for t in episode.trajectory.turns)
+
+
+def test_vllm_engine_runs_the_same_token_exact_episode(ray_cluster, tiny_model_path, tokenizer):
+    client = start_client("vllm", tiny_model_path)
+    try:
+        out = manager(client, tokenizer, n_samples_per_prompt=2).generate(PROMPTS[:1])
+    finally:
+        client.shutdown()
+    for episode in out.episodes:
+        assert episode.num_turns == 3
+        assert_token_exact(episode, tokenizer)
