@@ -193,13 +193,12 @@ class RolloutManager:
             messages, _ = await self._env_call(pool, env.init, row.prompt)
             context = self.template.prompt(messages)
             stop_reason, total = "max_turns", 0.0
-            for _ in range(self.cfg.max_turns):
+            for turn in range(self.cfg.max_turns):
                 if len(context) >= self.cfg.max_input_length:
                     stop_reason = "length"
                     break
-                out = await self.client.generate(
-                    context, self._sampling(len(context)), session_id=trajectory_id
-                )
+                sampling = self._sampling(len(context), trajectory_id, turn)
+                out = await self.client.generate(context, sampling, session_id=trajectory_id)
                 if out.stop_reason == "abort":
                     stop_reason = "abort"
                     break
@@ -224,8 +223,8 @@ class RolloutManager:
                 metrics,
             )
         except EnvFailure as e:  # ends this episode only, scored 0
-            for turn in turns:
-                turn.reward = 0.0
+            for finished in turns:
+                finished.reward = 0.0
             return Episode(
                 Trajectory(uid, trajectory_id, turns or self._empty_turn(row)), "error", 0.0, str(e)
             )
