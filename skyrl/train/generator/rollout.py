@@ -19,7 +19,6 @@ import logging
 import math
 import statistics
 import time
-import zlib
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -48,11 +47,11 @@ class GeneratorConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None
+    allowed_token_ids: tuple[int, ...] = ()  # non-empty: the model may only generate these tokens
     env_class: str = "guess_number"  # a dataset row's env_class column overrides it
     env_configs: dict[str, dict[str, Any]] = field(default_factory=dict)  # per env name
     env_workers: int = 8
     max_env_failure_fraction: float = 0.5
-    seed: int | None = None  # set: every request gets a seed derived from it, the trajectory and the turn
 
 
 @dataclass
@@ -127,18 +126,14 @@ class RolloutManager:
         self.client, self.tokenizer, self.cfg = client, tokenizer, cfg
         self.template = ChatTemplateDelta(tokenizer)
 
-    def _sampling(self, context_length: int, trajectory_id: str, turn: int) -> SamplingParams:
+    def _sampling(self, context_length: int) -> SamplingParams:
         budget = min(self.cfg.max_generate_length, self.cfg.max_input_length - context_length)
-        # a stable per-request seed makes rollouts reproducible (e.g. across a resume) on engines that honour it
-        seed = (
-            None if self.cfg.seed is None else zlib.crc32(f"{self.cfg.seed}/{trajectory_id}/{turn}".encode())
-        )
         return SamplingParams(
             temperature=self.cfg.temperature,
             top_p=self.cfg.top_p,
             top_k=self.cfg.top_k,
             max_tokens=budget,
-            seed=seed,
+            allowed_token_ids=self.cfg.allowed_token_ids,
         )
 
     def generate(self, prompts: list[PromptRow], uids: list[str] | None = None) -> GeneratorOutput:
@@ -155,13 +150,17 @@ class RolloutManager:
         uids = uids or [f"p{i}" for i in range(len(prompts))]
         start = time.perf_counter()
         with ThreadPoolExecutor(max_workers=self.cfg.env_workers, thread_name_prefix="skyrl-env") as pool:
-            episodes = await asyncio.gather(
-                *(
-                    self._episode(row, uid, f"{uid}/{s}", pool)
-                    for row, uid in zip(prompts, uids, strict=True)
-                    for s in range(self.cfg.n_samples_per_prompt)
-                )
-            )
+            # a TaskGroup cancels and awaits every episode if one raises (e.g. a dead engine)
+            try:
+                async with asyncio.TaskGroup() as group:
+                    tasks = [
+                        group.create_task(self._episode(row, uid, f"{uid}/{s}", pool))
+                        for row, uid in zip(prompts, uids, strict=True)
+                        for s in range(self.cfg.n_samples_per_prompt)
+                    ]
+            except ExceptionGroup as errors:
+                raise errors.exceptions[0] from None
+        episodes = [task.result() for task in tasks]
         failures = [e for e in episodes if e.stop_reason == "error"]
         if len(failures) > self.cfg.max_env_failure_fraction * len(episodes):
             quoted = "; ".join(f"{e.trajectory.trajectory_id}: {e.error}" for e in failures[:3])
@@ -193,12 +192,13 @@ class RolloutManager:
             messages, _ = await self._env_call(pool, env.init, row.prompt)
             context = self.template.prompt(messages)
             stop_reason, total = "max_turns", 0.0
-            for turn in range(self.cfg.max_turns):
+            for _ in range(self.cfg.max_turns):
                 if len(context) >= self.cfg.max_input_length:
                     stop_reason = "length"
                     break
-                sampling = self._sampling(len(context), trajectory_id, turn)
-                out = await self.client.generate(context, sampling, session_id=trajectory_id)
+                out = await self.client.generate(
+                    context, self._sampling(len(context)), session_id=trajectory_id
+                )
                 if out.stop_reason == "abort":
                     stop_reason = "abort"
                     break

@@ -46,11 +46,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = True
     seed: int | None = None
+    allowed_token_ids: tuple[int, ...] = ()  # non-empty: sample only these tokens (logprobs renormalised)
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and stored as tuples so params stay hashable.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         if not self.temperature >= 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0 is greedy).")
         if not 0 < self.top_p <= 1:
@@ -63,6 +65,10 @@ class SamplingParams:
             raise ValueError(f"stop={list(self.stop)!r} must hold non-empty strings.")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids={list(self.stop_token_ids)!r} must hold token ids (ints >= 0).")
+        if any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids):
+            raise ValueError(
+                f"allowed_token_ids={list(self.allowed_token_ids)!r} must hold token ids (ints >= 0)."
+            )
 
 
 @dataclass
@@ -137,8 +143,18 @@ class InferenceEngine(abc.ABC):
         """Abort requests, release the model and reap any child processes."""
 
 
-def validate_prompt(prompt_token_ids: Sequence[int], vocab_size: int, max_model_len: int) -> list[int]:
+def validate_prompt(
+    prompt_token_ids: Sequence[int],
+    vocab_size: int,
+    max_model_len: int,
+    allowed_token_ids: Sequence[int] = (),
+) -> list[int]:
     """Return the prompt as a list of ints; `ValueError` naming the problem if no engine could serve it."""
+    outside = [t for t in allowed_token_ids if t >= vocab_size]
+    if outside:
+        raise ValueError(
+            f"allowed_token_ids holds ids outside the vocabulary [0, {vocab_size}): {outside[:5]}."
+        )
     prompt = list(prompt_token_ids)
     if not prompt:
         raise ValueError("prompt_token_ids is empty; a prompt needs at least one token.")

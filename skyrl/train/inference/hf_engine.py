@@ -147,7 +147,9 @@ class HFEngine(InferenceEngine):
         self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams
     ) -> GenerationOutput:
         self._check_serving()
-        prompt = validate_prompt(prompt_token_ids, self._vocab_size, self._max_model_len)
+        prompt = validate_prompt(
+            prompt_token_ids, self._vocab_size, self._max_model_len, sampling_params.allowed_token_ids
+        )
         request = _Request(
             prompt, sampling_params, asyncio.get_running_loop().create_future(), self._weight_version
         )
@@ -226,7 +228,7 @@ class HFEngine(InferenceEngine):
             params.logprobs,
         )
         greedy = params.temperature == 0
-        warpers = []
+        warpers = [_AllowedTokens(params.allowed_token_ids)] if params.allowed_token_ids else []
         if not greedy:
             warpers.append(TemperatureLogitsWarper(params.temperature))
             if params.top_k is not None:
@@ -318,3 +320,15 @@ class HFEngine(InferenceEngine):
         self._abort_queued()
         self._abort.set()
         self._thread.shutdown(wait=True)
+
+
+class _AllowedTokens:
+    """Logits processor: every token outside `allowed` gets -inf, before temperature and truncation."""
+
+    def __init__(self, allowed: tuple[int, ...]):
+        self.allowed = list(allowed)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        masked = torch.full_like(scores, float("-inf"))
+        masked[:, self.allowed] = scores[:, self.allowed]
+        return masked

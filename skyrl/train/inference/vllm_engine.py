@@ -102,6 +102,7 @@ class VLLMEngine(InferenceEngine):
             stop_token_ids=list(sp.stop_token_ids),
             logprobs=0 if sp.logprobs else None,
             seed=sp.seed,
+            allowed_token_ids=list(sp.allowed_token_ids) or None,
             detokenize=bool(sp.stop),  # text is only needed to match stop strings
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
@@ -118,7 +119,9 @@ class VLLMEngine(InferenceEngine):
         self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams
     ) -> GenerationOutput:
         self._check_serving()
-        prompt = validate_prompt(prompt_token_ids, self._vocab_size, self._max_model_len)
+        prompt = validate_prompt(
+            prompt_token_ids, self._vocab_size, self._max_model_len, sampling_params.allowed_token_ids
+        )
         request_id = str(next(self._ids))
         future = asyncio.get_running_loop().create_future()
         self._futures[request_id] = (future, self._weight_version)

@@ -19,17 +19,21 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# Byte-level BPE merges are learned from this text, so common words and numbers are single tokens.
+# Byte-level BPE merges are learned from this text (repeats weigh a phrase up), so the chat
+# roles, the built-in envs' words and small numbers are single tokens and contexts stay short.
 CORPUS = [
-    "system user assistant tool",
-    "Guess the hidden number between 1 and 100. Answer with a number.",
-    "higher lower correct wrong Too high. Too low. Correct! You win. You lose. Invalid guess.",
-    "Compute the expression. Use the calculator tool: <tool>3 * (4 + 5)</tool> <answer>27</answer>",
-    "What is the answer? The answer is #### 42 \\boxed{42}",
-    "plus minus times divided by equals result error",
-    " ".join(str(i) for i in range(1001)),
+    *["system\nuser\nassistant\ntool\nHigher.\nLower.\nGuess.\n"] * 50,
+    *["Guess the hidden number between 1 and 8. Answer with a number. Guess. Higher. Lower."] * 50,
+    *[
+        "Compute the expression. Use the calculator tool: <tool>3 * (4 + 5)</tool>, then give the result as "
+        "<answer>27</answer>. <result>27</result>"
+    ]
+    * 20,
+    *["Solve the problem step by step, then give the final answer after #### 42 \\boxed{42}"] * 10,
+    *["Say the word higher lower correct number guess answer. Play. Go. Start. Again."] * 10,
+    " ".join(str(i) for i in range(101)),
 ]
-TINY_MODEL_VERSION = "tiny-qwen2-v1"
+TINY_MODEL_VERSION = "tiny-qwen2-v2"
 
 
 def create_tiny_model(

@@ -85,6 +85,7 @@ class WorkerConfig:
     micro_train_batch_size: int = 1
     micro_forward_batch_size: int = 8
     temperature: float = 1.0  # sampling temperature; logprobs are of logits / temperature
+    allowed_token_ids: list[int] | None = None  # sampling was restricted to these: renormalise over them
     bf16: bool = True  # bf16 compute with fp32 reduction on GPU; CPU always runs fp32
     cpu_offload: bool = False  # GPU only: keep sharded params and optimizer state on CPU
     seed: int = 42
@@ -168,7 +169,13 @@ class FSDPWorker:
         logits = self.model(
             input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids
         ).logits
-        return logits[:, -response_length - 1 : -1].float() / self.cfg.temperature
+        logits = logits[:, -response_length - 1 : -1].float() / self.cfg.temperature
+        if self.cfg.allowed_token_ids:
+            # finite, so entropy's p * logit stays 0 (not nan) on excluded tokens
+            excluded = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
+            excluded[self.cfg.allowed_token_ids] = False
+            logits = logits.masked_fill(excluded, -1e9)
+        return logits
 
     def _logprobs(self, mb: TrainingInputBatch) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self._forward_logits(mb)

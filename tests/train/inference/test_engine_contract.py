@@ -195,3 +195,18 @@ def test_sleep_aborts_requests_in_flight_and_wake_up_resumes(client):
     aborted, resumed = asyncio.run(run())
     assert aborted.stop_reason == "abort" and aborted.response_ids == [] and aborted.logprobs is None
     assert resumed.response_ids == [21] * 3 and resumed.stop_reason == "length"
+
+
+@torch.no_grad()
+def test_allowed_token_ids_restrict_sampling_and_renormalise_logprobs(client, reference_model):
+    allowed = [17, 18, 19, 20, 21]
+    params = SamplingParams(temperature=0.8, max_tokens=6, allowed_token_ids=allowed)
+    outs = generate_all(client, PROMPTS, params)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.response_ids and set(out.response_ids) <= set(allowed)
+        ids = torch.tensor([prompt + out.response_ids])
+        logits = reference_model(ids).logits[0, len(prompt) - 1 : -1].float() / 0.8
+        mask = torch.full_like(logits, float("-inf"))
+        mask[:, allowed] = 0
+        expected = (logits + mask).log_softmax(-1).gather(-1, torch.tensor(out.response_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=0)
