@@ -1,69 +1,79 @@
-"""`python -m skyrl.train`.
+"""`python -m skyrl.train [key=value ...]`: compose the config, validate it, start or join Ray, train.
 
-The training loop lands with the trainer; until then this entry point walks one
-synthetic multi-turn batch through the data plane the trainer is built on.
+With no overrides it trains the tiny default model on `guess_number` on this
+machine's CPU. The Hydra output directory is the run directory: resolved config,
+metrics.jsonl, TensorBoard logs, checkpoints, exported models, reward plot.
 """
 
 from __future__ import annotations
 
-import random
+import os
+import sys
+from pathlib import Path
 
-from skyrl import __version__
-from skyrl.train.dataset.preprocess import (
-    Trajectory,
-    Turn,
-    collate_sequences,
-    compute_prompt_mini_batch_boundaries,
-    trajectories_to_sequences,
-)
-from skyrl.train.training_batch import pad_training_input_batch
-from skyrl.train.utils.seqlen_balancing import get_seqlen_balanced_partitions
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
 
-NUM_PROMPTS, SAMPLES, MINI_BATCH, DP_SIZE, MAX_TURNS = 16, 4, 4, 4, 4
+from skyrl.train.config import CONFIG_DIR, SkyRLConfig, register_schema, validate_config
+from skyrl.train.overrides import check_overrides
+from skyrl.train.utils.errors import ConfigError
 
-
-def synthetic_episode(rng: random.Random, uid: str, tid: str) -> Trajectory:
-    context = [rng.randrange(1, 100) for _ in range(rng.randint(8, 24))]
-    turns = []
-    for _ in range(rng.randint(1, MAX_TURNS)):
-        response = [rng.randrange(1, 100) for _ in range(rng.randint(2, 12))]
-        turns.append(Turn(list(context), response, [-1.0] * len(response), [1] * len(response)))
-        context += response + [rng.randrange(1, 100) for _ in range(rng.randint(3, 6))]
-    turns[-1].reward = float(rng.random() < 0.5)
-    return Trajectory(uid, tid, turns)
+register_schema()
 
 
-def max_over_mean(loads: list[int]) -> float:
-    return max(loads) / (sum(loads) / len(loads))
+def start_ray(cfg: SkyRLConfig) -> None:
+    """Join `ray.address` (or RAY_ADDRESS) when given, else start a local cluster."""
+    import ray
+
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, logging_level="warning")
+    else:
+        num_cpus = cfg.ray.num_cpus or max(4, os.cpu_count() or 1)
+        ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="warning")
 
 
-def main() -> None:
-    rng = random.Random(0)
-    print(f"skyrl {__version__}: the training loop lands with the trainer; this run walks the data plane.")
-    trajectories = [
-        synthetic_episode(rng, f"p{p}", f"p{p}/{s}") for p in range(NUM_PROMPTS) for s in range(SAMPLES)
-    ]
-    batch = collate_sequences(trajectories_to_sequences(trajectories, step_wise=True), pad_token_id=0)
-    print(
-        f"{NUM_PROMPTS} prompts x {SAMPLES} samples, 1-{MAX_TURNS} turns each -> {len(batch)} step-wise "
-        f"sequences, tensors {tuple(batch['sequences'].shape)}"
-    )
-    bounds = compute_prompt_mini_batch_boundaries(
-        batch.metadata["uids"], MINI_BATCH, NUM_PROMPTS, is_stepwise=True, n_samples_per_prompt=SAMPLES
-    )
-    for k, (start, end) in enumerate(bounds):
-        mini = batch.slice(start, end)
-        padded = pad_training_input_batch(mini, (-len(mini)) % DP_SIZE)
-        tokens = padded["attention_mask"].sum(-1).tolist()
-        strided = [sum(tokens[r::DP_SIZE]) for r in range(DP_SIZE)]
-        parts = get_seqlen_balanced_partitions(tokens, DP_SIZE, equal_size=True)
-        balanced = [sum(tokens[i] for i in part) for part in parts]
+def train(cfg: SkyRLConfig, run_dir: Path) -> list[dict[str, float]]:
+    """Build the trainer in `run_dir`, resume if asked, train, and summarise the run."""
+    from transformers import AutoTokenizer
+
+    from skyrl.train.trainer import Trainer, load_datasets, resolve_model_path
+    from skyrl.train.utils.plotting import plot_metrics
+
+    model_path = resolve_model_path(cfg.trainer.policy.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    trainer = Trainer(cfg, run_dir, model_path, load_datasets(cfg, tokenizer))
+    try:
+        history = trainer.fit()
+    finally:
+        trainer.shutdown()
+    if history:
+        rewards = [m["reward/mean"] for m in history]
+        tail = rewards[-max(1, len(rewards) // 10) :]
         print(
-            f"mini-batch {k}: {MINI_BATCH} prompts, {len(mini)} sequences + "
-            f"{padded.metadata.get('pad_size', 0)} pad rows over {DP_SIZE} ranks; "
-            f"max/mean tokens per rank strided {max_over_mean(strided):.3f}, balanced {max_over_mean(balanced):.3f}"
+            f"first-step mean reward {rewards[0]:.3f}, final mean reward (last {len(tail)} steps) "
+            f"{sum(tail) / len(tail):.3f}; run directory {run_dir}"
         )
+    if "jsonl" in cfg.trainer.logger:
+        print(f"reward plot: {plot_metrics(run_dir)}")
+    return history
+
+
+@hydra.main(version_base=None, config_path=str(CONFIG_DIR), config_name="config")
+def main(dict_cfg: DictConfig) -> None:
+    cfg: SkyRLConfig = OmegaConf.to_object(dict_cfg)
+    try:
+        validate_config(cfg)
+    except ConfigError as e:
+        sys.exit(f"config error: {e}")
+    start_ray(cfg)
+    train(cfg, Path(HydraConfig.get().runtime.output_dir))
 
 
 if __name__ == "__main__":
+    try:
+        check_overrides(sys.argv[1:], CONFIG_DIR)
+    except ConfigError as e:
+        sys.exit(f"config error: {e}")
     main()

@@ -10,7 +10,10 @@ from skyrl.train.dataset.prompt_dataset import PromptDataset, PromptLoader, pars
 
 ROWS = [
     {"prompt": [{"role": "user", "content": "What is 2 + 2?"}], "env_class": "math", "answer": "4"},
-    {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], "answer": "hi"},
+    {
+        "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        "answer": "hi",
+    },
 ]
 
 

@@ -1,0 +1,104 @@
+"""Command-line overrides checked against the config schema before Hydra composes them.
+
+Hydra reports an unknown key or a wrong type deep in its own traceback; this turns
+each into one line naming the key, the value and a valid alternative.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from skyrl.train.utils.errors import ConfigError
+
+
+def _schema() -> Any:
+    from skyrl.train.config import SkyRLConfig
+
+    return SkyRLConfig
+
+
+def _all_keys(cls: Any, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        keys.append(key)
+        inner = _dataclass_of(cls, f.name)
+        if inner is not None:
+            keys += _all_keys(inner, f"{key}.")
+    return keys
+
+
+def _dataclass_of(cls: Any, name: str) -> Any:
+    hint = typing.get_type_hints(cls)[name]
+    for candidate in (hint, *typing.get_args(hint)):
+        if dataclasses.is_dataclass(candidate):
+            return candidate
+    return None
+
+
+def _is_dict(cls: Any, name: str) -> bool:
+    hint = typing.get_type_hints(cls)[name]
+    return hint is dict or typing.get_origin(hint) is dict
+
+
+def _check_key(key: str) -> None:
+    cls, parts = _schema(), key.split(".")
+    for i, part in enumerate(parts):
+        names = [f.name for f in dataclasses.fields(cls)]
+        if part not in names:
+            parent = ".".join(parts[:i])
+            full = [k for k in _all_keys(_schema()) if k.count(".") == key.count(".")]
+            close = difflib.get_close_matches(key, full, n=1) or [
+                f"{parent}.{m}" if parent else m for m in difflib.get_close_matches(part, names, n=1)
+            ]
+            hint = f"; did you mean {close[0]}?" if close else f"; {parent or 'the top level'} has {names}"
+            raise ConfigError(
+                f"unknown config key {key!r}{hint} (python -m skyrl.train --cfg job lists every key)"
+            )
+        if _is_dict(cls, part):
+            return  # free-form below a dict, e.g. environment.config.<env>.<option>
+        inner = _dataclass_of(cls, part)
+        if inner is None:
+            if i < len(parts) - 1:
+                raise ConfigError(f"config key {key!r}: {'.'.join(parts[: i + 1])} is a value, not a section")
+            return
+        cls = inner
+
+
+def _check_value(key: str, value: str) -> None:
+    base = OmegaConf.structured(_schema())
+    try:
+        OmegaConf.merge(base, OmegaConf.from_dotlist([f"{key}={value}"]))
+    except OmegaConfBaseException as e:
+        default = OmegaConf.select(base, key)
+        example = f"e.g. {key}={default}" if default is not None else "see python -m skyrl.train --cfg job"
+        reason = str(e).splitlines()[0]
+        raise ConfigError(f"{key}={value!r} does not fit the schema ({reason}); {example}") from None
+
+
+def check_overrides(args: list[str], config_dir: Path) -> None:
+    """Raise `ConfigError` for the first `key=value` override that names no key, or a value of the
+    wrong type, or a preset (`algorithm=...`) that does not exist. Hydra's own flags are skipped."""
+    groups = {p.name: sorted(f.stem for f in p.glob("*.yaml")) for p in config_dir.iterdir() if p.is_dir()}
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key, value = arg.split("=", 1)
+        key = key.lstrip("+~")
+        if key == "hydra" or key.startswith(("hydra.", "hydra/")):
+            continue
+        if key in groups:
+            if value not in groups[key]:
+                raise ConfigError(
+                    f"{key}={value!r} is not a preset; choose one of {groups[key]}, e.g. {key}={groups[key][0]}"
+                )
+            continue
+        _check_key(key)
+        _check_value(key, value)

@@ -1,0 +1,548 @@
+"""The PPO/GRPO loop. `Trainer.train_step` is the table of contents of one step:
+
+generate -> sequences and batch -> mini-batch boundaries -> old/ref logprobs and values
+-> KL penalty in reward -> advantages -> train (per epoch, per mini-batch) -> weight sync
+-> metrics; `fit` adds eval and checkpoints around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from ray.util.placement_group import remove_placement_group
+from tqdm import tqdm
+
+from skyrl.train.algorithms import (
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty_to_rewards,
+    compute_stepwise_advantages,
+    get_advantage_estimator,
+    kl_penalty,
+    masked_mean,
+)
+from skyrl.train.config import SkyRLConfig
+from skyrl.train.dataset.preprocess import (
+    collate_sequences,
+    compute_prompt_mini_batch_boundaries,
+    trajectories_to_sequences,
+)
+from skyrl.train.dataset.prompt_dataset import PromptDataset, PromptLoader
+from skyrl.train.generator.rollout import Episode, GeneratorConfig, RolloutManager
+from skyrl.train.inference import InferenceEngineClient
+from skyrl.train.training_batch import TrainingInputBatch
+from skyrl.train.utils.errors import ConfigError
+from skyrl.train.utils.tracking import Tracker
+from skyrl.train.workers.actor_group import ActorGroup, create_placement_group, latest_checkpoint
+from skyrl.train.workers.fsdp_worker import (
+    CHECKPOINT_DONE,
+    CriticWorker,
+    LossConfig,
+    PolicyWorker,
+    RefWorker,
+    WorkerConfig,
+)
+
+logger = logging.getLogger(__name__)
+TRAINER_STATE = "trainer_state.json"
+
+
+class Trainer:
+    """Builds every component from a validated `SkyRLConfig` and runs the loop in `run_dir`."""
+
+    def __init__(
+        self,
+        cfg: SkyRLConfig,
+        run_dir: str | Path,
+        model_path: str,
+        datasets: tuple[PromptDataset, PromptDataset | None],
+    ):
+        self.cfg, self.run_dir, self.model_path = cfg, Path(run_dir), model_path
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        t = cfg.trainer
+        self.step = 0
+        self.weight_version = 0
+        self._placement_groups: list[Any] = []
+        random.seed(t.seed)
+        np.random.seed(t.seed)
+        torch.manual_seed(t.seed)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.allowed_token_ids = allowed_token_ids(self.tokenizer, cfg.generator.allowed_tokens)
+        train_set, self.eval_set = datasets
+        self.loader = PromptLoader(train_set, t.train_batch_size, seed=t.seed, shuffle=cfg.data.shuffle)
+        self.use_critic = t.algorithm.advantage_estimator == "gae"
+        self.use_ref = t.algorithm.use_kl_loss or t.algorithm.use_kl_in_reward
+        kl = t.algorithm.kl_ctrl
+        self.kl_ctrl = (
+            AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon)
+            if kl.type == "adaptive"
+            else FixedKLController(kl.kl_coef)
+        )
+        self._build_workers()
+        self.client = InferenceEngineClient.from_config(cfg.generator.inference_engine, model_path)
+        self.rollout = RolloutManager(
+            self.client, self.tokenizer, self._generator_config(cfg.generator.sampling)
+        )
+        self.tracker = Tracker(
+            t.logger, self.run_dir, t.project_name, t.run_name or self.run_dir.name, asdict(cfg)
+        )
+
+    # ---- construction ----
+    def _worker_config(self, path: str, optimizer=None, offload: bool = False) -> WorkerConfig:
+        t, a = self.cfg.trainer, self.cfg.trainer.algorithm
+        loss = LossConfig(
+            policy_loss=a.policy_loss,
+            loss_reduction=a.loss_reduction,
+            max_seq_len=a.max_seq_len,
+            eps_clip_low=a.eps_clip_low,
+            eps_clip_high=a.eps_clip_high,
+            clip_ratio_c=a.clip_ratio_c,
+            use_kl_loss=a.use_kl_loss,
+            kl_loss_coef=a.kl_loss_coef,
+            kl_estimator=a.kl_estimator,
+            entropy_coeff=a.entropy_coeff,
+            value_clip=a.value_clip,
+        )
+        kwargs = {"optimizer": optimizer} if optimizer is not None else {}
+        return WorkerConfig(
+            model_path=path,
+            loss=loss,
+            micro_train_batch_size=t.micro_train_batch_size_per_gpu,
+            micro_forward_batch_size=t.micro_forward_batch_size_per_gpu,
+            temperature=self.cfg.generator.sampling.temperature or 1.0,
+            allowed_token_ids=list(self.allowed_token_ids) or None,
+            bf16=t.policy.bf16,
+            cpu_offload=offload,
+            seed=t.seed,
+            **kwargs,
+        )
+
+    def _build_workers(self) -> None:
+        t, p = self.cfg.trainer, self.cfg.trainer.placement
+        gpus = 1 if torch.cuda.is_available() else 0
+        policy_size = p.policy_num_nodes * p.policy_num_gpus_per_node
+        colocated = [True, self.use_ref, self.use_critic]
+        fraction = 1.0 / sum(colocated) if p.colocate_all else 1.0
+
+        def bundles(n: int) -> Any:
+            pg = create_placement_group(n, cpus_per_bundle=p.cpus_per_worker, gpus_per_bundle=gpus)
+            self._placement_groups.append(pg)
+            return pg
+
+        shared = bundles(policy_size) if p.colocate_all else None
+        opt = t.policy.optimizer
+        opt.total_steps = (
+            opt.total_steps
+            or t.total_steps * (t.train_batch_size // t.policy_mini_batch_size) * t.update_epochs_per_batch
+        )
+        self.policy = ActorGroup(
+            PolicyWorker,
+            self._worker_config(self.model_path, opt, t.policy.cpu_offload),
+            policy_size,
+            shared or bundles(policy_size),
+            resource_fraction=fraction,
+        )
+        self.ref = None
+        if self.use_ref:
+            ref_path = resolve_model_path(t.ref.model.path) if t.ref.model else self.model_path
+            size = policy_size if p.colocate_all else p.ref_num_nodes * p.ref_num_gpus_per_node
+            self.ref = ActorGroup(
+                RefWorker,
+                self._worker_config(ref_path, offload=t.ref.cpu_offload),
+                size,
+                shared or bundles(size),
+                resource_fraction=fraction,
+            )
+        self.critic = None
+        if self.use_critic:
+            critic_path = resolve_model_path(t.critic.model.path) if t.critic.model else self.model_path
+            size = policy_size if p.colocate_all else p.critic_num_nodes * p.critic_num_gpus_per_node
+            copt = t.critic.optimizer
+            copt.total_steps = (
+                copt.total_steps
+                or t.total_steps
+                * (t.train_batch_size // t.critic_mini_batch_size)
+                * t.update_epochs_per_batch
+            )
+            self.critic = ActorGroup(
+                CriticWorker,
+                self._worker_config(critic_path, copt),
+                size,
+                shared or bundles(size),
+                resource_fraction=fraction,
+            )
+
+    def _generator_config(self, sampling: Any, n_samples: int | None = None) -> GeneratorConfig:
+        g, env = self.cfg.generator, self.cfg.environment
+        return GeneratorConfig(
+            n_samples_per_prompt=n_samples or g.n_samples_per_prompt,
+            max_turns=g.max_turns,
+            max_input_length=g.max_input_length,
+            max_generate_length=g.max_generate_length,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            allowed_token_ids=self.allowed_token_ids,
+            env_class=env.env_class,
+            env_configs=dict(env.config),
+            env_workers=g.env_workers,
+            max_env_failure_fraction=g.max_env_failure_fraction,
+        )
+
+    # ---- one step ----
+    def train_step(self) -> dict[str, float]:
+        timings: dict[str, float] = {}
+        with _timer(timings, "generate"):
+            episodes, gen_metrics = self.generate()
+        with _timer(timings, "batch"):
+            batch, uids = self.make_batch(episodes)
+            t, n = self.cfg.trainer, self.cfg.generator.n_samples_per_prompt
+            step_wise = self.cfg.generator.step_wise
+            policy_bounds = compute_prompt_mini_batch_boundaries(
+                uids, t.policy_mini_batch_size, t.train_batch_size, step_wise, n
+            )
+        with _timer(timings, "forward"):
+            self.forward(batch, policy_bounds)
+        with _timer(timings, "advantages"):
+            adv_metrics = self.compute_advantages(batch)
+        with _timer(timings, "train"):
+            train_metrics = self.train(batch, policy_bounds)
+        with _timer(timings, "sync"):
+            self.sync_weights()
+        self.step += 1
+        return {
+            **gen_metrics,
+            **adv_metrics,
+            **train_metrics,
+            **{f"timing/{k}_s": v for k, v in timings.items()},
+            "perf/tokens_per_s": float(batch["attention_mask"].sum()) / sum(timings.values()),
+            "batch/sequences": float(len(batch)),
+        }
+
+    def generate(self) -> tuple[list[Episode], dict[str, float]]:
+        """Episodes for one batch of prompts; with dynamic sampling, groups with equal rewards are
+        dropped and more prompts drawn (at most `max_sample_batches` draws)."""
+        a, t = self.cfg.trainer.algorithm, self.cfg.trainer
+        n = self.cfg.generator.n_samples_per_prompt
+        kept: list[list[Episode]] = []
+        dropped: list[list[Episode]] = []
+        metrics: dict[str, float] = {}
+        for draw in range(a.max_sample_batches if a.dynamic_sampling == "filter" else 1):
+            prompts = self.loader.next_batch()
+            uids = [f"s{self.step}d{draw}p{i}" for i in range(len(prompts))]
+            out = self.rollout.generate(prompts, uids)
+            if draw == 0:
+                metrics = out.metrics
+            groups = [out.episodes[i : i + n] for i in range(0, len(out.episodes), n)]
+            for group in groups:
+                equal = len({e.reward for e in group}) == 1
+                (dropped if a.dynamic_sampling == "filter" and equal else kept).append(group)
+            if len(kept) >= t.train_batch_size:
+                break
+        if a.dynamic_sampling == "filter":
+            metrics["dynamic_sampling/draws"] = float(draw + 1)
+            metrics["dynamic_sampling/kept_groups"] = float(min(len(kept), t.train_batch_size))
+        groups = (kept + dropped)[: t.train_batch_size]  # short of groups: fill with the dropped ones
+        return [e for g in groups for e in g], metrics
+
+    def make_batch(self, episodes: list[Episode]) -> tuple[TrainingInputBatch, list[str]]:
+        seqs = trajectories_to_sequences([e.trajectory for e in episodes], self.cfg.generator.step_wise)
+        batch = collate_sequences(seqs, self.tokenizer.pad_token_id)
+        return batch, batch.metadata["uids"]
+
+    def _bounds(self, batch: TrainingInputBatch, mini_batch_size: int) -> list[tuple[int, int]]:
+        t = self.cfg.trainer
+        return compute_prompt_mini_batch_boundaries(
+            batch.metadata["uids"],
+            mini_batch_size,
+            t.train_batch_size,
+            self.cfg.generator.step_wise,
+            self.cfg.generator.n_samples_per_prompt,
+        )
+
+    def forward(self, batch: TrainingInputBatch, bounds: list[tuple[int, int]]) -> None:
+        t = self.cfg.trainer
+        args = (bounds, t.balance_dp, t.delay_split_by_dp)
+        batch["old_logprobs"] = self.policy.forward(batch, *args)["logprobs"]
+        if self.ref is not None:
+            batch["ref_logprobs"] = self.ref.forward(batch, *args)["logprobs"]
+        if self.critic is not None:
+            batch["old_values"] = self.critic.forward(
+                batch, self._bounds(batch, t.critic_mini_batch_size), t.balance_dp, t.delay_split_by_dp
+            )["values"]
+
+    def compute_advantages(self, batch: TrainingInputBatch) -> dict[str, float]:
+        a = self.cfg.trainer.algorithm
+        metrics: dict[str, float] = {}
+        rewards = batch["rewards"]
+        if self.ref is not None:
+            kl = kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], a.kl_estimator)
+            metrics["kl/mean"] = float(masked_mean(kl, batch["loss_mask"]))
+            if a.use_kl_in_reward:
+                rewards = apply_kl_penalty_to_rewards(
+                    rewards, kl * batch["loss_mask"], self.kl_ctrl.value, batch["response_mask"]
+                )
+                self.kl_ctrl.update(metrics["kl/mean"], len(batch))
+                metrics["kl/coef"] = self.kl_ctrl.value
+        options = {
+            "gamma": a.gamma,
+            "lambd": a.lambd,
+            "norm_adv_by_std_in_grpo": a.norm_adv_by_std_in_grpo,
+            "group_baseline": a.group_baseline,
+        }
+        values = batch["old_values"] if self.critic is not None else None
+        meta = batch.metadata
+        if self.cfg.generator.step_wise:
+            advantages, returns = compute_stepwise_advantages(
+                a.advantage_estimator,
+                rewards,
+                batch["response_mask"],
+                meta["uids"],
+                meta["trajectory_ids"],
+                meta["is_last_step"],
+                values,
+                **options,
+            )
+        else:
+            advantages, returns = get_advantage_estimator(a.advantage_estimator)(
+                rewards, batch["response_mask"], meta["uids"], values, **options
+            )
+        if a.zero_variance_filter:
+            batch["loss_mask"] = batch["loss_mask"] * _has_reward_variance(rewards, meta["uids"])[:, None]
+        batch["advantages"], batch["returns"] = advantages, returns
+        metrics["advantages/mean"] = float(masked_mean(advantages, batch["loss_mask"]))
+        # engine vs trainer logprobs of the same tokens: large means stale engine weights or a mismatch
+        logprob_gap = (batch["rollout_logprobs"] - batch["old_logprobs"]).abs()
+        metrics["policy/rollout_logprob_gap"] = float(masked_mean(logprob_gap, batch["loss_mask"]))
+        metrics["batch/pad_free_tokens"] = float(batch["loss_mask"].sum())
+        return metrics
+
+    def train(self, batch: TrainingInputBatch, bounds: list[tuple[int, int]]) -> dict[str, float]:
+        t = self.cfg.trainer
+        history: list[dict[str, float]] = []
+        critic_history: list[dict[str, float]] = []
+        for _ in range(t.update_epochs_per_batch):
+            if self.critic is not None:
+                critic_bounds = self._bounds(batch, t.critic_mini_batch_size)
+                critic_history += self.critic.train(batch, critic_bounds, t.balance_dp, t.delay_split_by_dp)
+            history += self.policy.train(batch, bounds, t.balance_dp, t.delay_split_by_dp)
+        metrics = {f"policy/{k}": float(np.mean([h[k] for h in history])) for k in history[0]}
+        metrics["policy/optimizer_steps"] = float(len(history))
+        if critic_history:
+            metrics |= {
+                f"critic/{k}": float(np.mean([h[k] for h in critic_history])) for k in critic_history[0]
+            }
+        return metrics
+
+    def sync_weights(self) -> None:
+        """Full policy weights to every engine through the object store; bumps the weight version."""
+        self.weight_version += 1
+        asyncio.run(self.client.update_weights(self.policy.full_state_dict(), self.weight_version))
+
+    # ---- eval ----
+    def evaluate(self) -> dict[str, float]:
+        """Greedy pass@1 and sampled pass@k on the held-out prompts."""
+        if self.eval_set is None:
+            return {}
+        prompts = list(self.eval_set.rows)
+        metrics = {}
+        for name, sampling, n in (
+            ("greedy", self.cfg.generator.eval_sampling, 1),
+            ("sampled", self.cfg.generator.sampling, self.cfg.trainer.eval_n_samples),
+        ):
+            manager = RolloutManager(self.client, self.tokenizer, self._generator_config(sampling, n))
+            out = manager.generate(prompts, [f"eval{i}" for i in range(len(prompts))])
+            metrics[f"eval/{name}/reward_mean"] = out.metrics["reward/mean"]
+            metrics[f"eval/{name}/pass@{n}"] = out.metrics[f"reward/pass@{n}"]
+        return metrics
+
+    # ---- checkpoints ----
+    @property
+    def ckpt_root(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    def save_checkpoint(self) -> Path:
+        """Workers and trainer state into `global_step_N.tmp`, renamed when complete."""
+        final = self.ckpt_root / f"global_step_{self.step}"
+        tmp = Path(f"{final}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self.policy.save_checkpoint(tmp / "policy")
+        if self.critic is not None:
+            self.critic.save_checkpoint(tmp / "critic")
+        state = {
+            "step": self.step,
+            "weight_version": self.weight_version,
+            "loader": self.loader.state_dict(),
+            "kl_coef": self.kl_ctrl.value,
+        }
+        (tmp / TRAINER_STATE).write_text(json.dumps(state))
+        torch.save(
+            {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+            tmp / "driver_rng.pt",
+        )
+        (tmp / CHECKPOINT_DONE).touch()
+        os.replace(tmp, final)
+        complete = sorted(
+            self.ckpt_root.glob("global_step_*[0-9]"), key=lambda p: int(p.name.rsplit("_", 1)[1])
+        )
+        for old in complete[: max(0, len(complete) - self.cfg.trainer.max_ckpts_to_keep)]:
+            shutil.rmtree(old)
+        return final
+
+    def resume(self) -> Path | None:
+        mode = self.cfg.trainer.resume_mode
+        if mode == "none":
+            return None
+        path = latest_checkpoint(self.ckpt_root) if mode == "latest" else Path(mode)
+        if path is None:
+            return None
+        if not (path / CHECKPOINT_DONE).exists():
+            raise FileNotFoundError(f"trainer.resume_mode={mode}: {path} is not a complete checkpoint")
+        self.policy.load_checkpoint(path / "policy")
+        if self.critic is not None:
+            self.critic.load_checkpoint(path / "critic")
+        state = json.loads((path / TRAINER_STATE).read_text())
+        self.step, self.weight_version = state["step"], state["weight_version"]
+        self.loader.load_state_dict(state["loader"])
+        self.kl_ctrl.value = state["kl_coef"]
+        rng = torch.load(path / "driver_rng.pt", weights_only=False)
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+        self.sync_weights()
+        return path
+
+    # ---- the run ----
+    def fit(self) -> list[dict[str, float]]:
+        """Train until `total_steps`; returns the per-step metrics of this process."""
+        t = self.cfg.trainer
+        resumed = self.resume()
+        if resumed:
+            print(f"resumed from {resumed} at step {self.step}")
+        if t.eval_before_train and self.step == 0:
+            evaluation = self.evaluate()
+            self.tracker.log(evaluation, self.step)
+            print("eval before training: " + ", ".join(f"{k} {v:.3f}" for k, v in evaluation.items()))
+        history = []
+        progress = tqdm(total=t.total_steps, initial=self.step, desc="training", unit="step")
+        while self.step < t.total_steps:
+            metrics = self.train_step()
+            if t.eval_interval and self.step % t.eval_interval == 0:
+                metrics |= self.evaluate()
+            if t.ckpt_interval and self.step % t.ckpt_interval == 0:
+                self.save_checkpoint()
+            if t.hf_save_interval and (self.step % t.hf_save_interval == 0 or self.step == t.total_steps):
+                self.policy.run("save_hf_model", str(self.run_dir / "hf_model" / f"global_step_{self.step}"))
+            self.tracker.log(metrics, self.step)
+            history.append(metrics)
+            progress.update(1)
+            progress.write(step_line(self.step, metrics))
+        progress.close()
+        return history
+
+    def shutdown(self) -> None:
+        self.tracker.close()
+        self.client.shutdown()
+        for group in (self.policy, self.ref, self.critic):
+            if group is not None:
+                group.kill()
+        for pg in self._placement_groups:
+            remove_placement_group(pg)
+
+
+def step_line(step: int, m: dict[str, float]) -> str:
+    timing = " ".join(
+        f"{k[7:-2]} {v:.1f}s" for k, v in m.items() if k.startswith("timing/") and k != "timing/generate_s"
+    )
+    return (
+        f"step {step}: reward {m['reward/mean']:.3f} turns {m['episode/turns']:.2f} "
+        f"generate {m['timing/generate_s']:.1f}s {timing} grad_norm {m.get('policy/grad_norm', float('nan')):.3f}"
+    )
+
+
+@contextlib.contextmanager
+def _timer(timings: dict[str, float], name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    timings[name] = time.perf_counter() - start
+
+
+def _has_reward_variance(rewards: torch.Tensor, uids: list[str]) -> torch.Tensor:
+    """1.0 for rows whose prompt group has rewards that differ, 0.0 otherwise."""
+    scores: dict[str, set[float]] = {}
+    totals = rewards.sum(-1).tolist()
+    for uid, score in zip(uids, totals, strict=True):
+        scores.setdefault(uid, set()).add(round(score, 6))
+    return torch.tensor([float(len(scores[u]) > 1) for u in uids])
+
+
+def allowed_token_ids(tokenizer: Any, tokens: list[str] | None) -> tuple[int, ...]:
+    """Token ids of `generator.allowed_tokens`; `ConfigError` unless each entry is exactly one token."""
+    ids = []
+    for text in tokens or []:
+        encoded = tokenizer.encode(text, add_special_tokens=False)
+        if len(encoded) != 1:
+            raise ConfigError(
+                f"generator.allowed_tokens entry {text!r} is {len(encoded)} tokens for this tokenizer; "
+                "each entry must be exactly one token (or set generator.allowed_tokens=null)"
+            )
+        ids += encoded
+    return tuple(ids)
+
+
+def resolve_model_path(path: str) -> str:
+    """`tiny` -> the default tiny model's cache directory (built on first use); anything else unchanged."""
+    if path == "tiny":
+        from skyrl.train.utils.tiny_model import default_tiny_model_path
+
+        return str(default_tiny_model_path())
+    return path
+
+
+def load_datasets(cfg: SkyRLConfig, tokenizer: Any) -> tuple[PromptDataset, PromptDataset | None]:
+    """Train and eval prompts from files, or generated for the environment when no file is given."""
+    from skyrl.envs import calculator, guess_number
+
+    d, env = cfg.data, cfg.environment
+
+    def generated(num: int, seed: int, source: str) -> PromptDataset:
+        if env.env_class == "guess_number":
+            g = env.config.get("guess_number", {})
+            records = guess_number.make_dataset(num, seed, g.get("min_value", 1), g.get("max_value", 8))
+        elif env.env_class == "calculator":
+            records = calculator.make_dataset(num, seed)
+        else:
+            raise ValueError(
+                f"data.train_path is null but environment.env_class={env.env_class!r} has no prompt generator; "
+                "set data.train_path to a parquet/jsonl file (generators exist for guess_number and calculator)"
+            )
+        return PromptDataset.from_records(records, tokenizer, d.max_prompt_length, source)
+
+    seed = cfg.trainer.seed
+    if d.train_path:
+        train = PromptDataset.from_path(d.train_path, tokenizer, d.max_prompt_length)
+    else:
+        train = generated(d.num_generated_train_prompts, seed, f"generated {env.env_class} train prompts")
+    if d.eval_path:
+        evals = PromptDataset.from_path(d.eval_path, tokenizer, d.max_prompt_length)
+    elif d.train_path is None and (cfg.trainer.eval_interval or cfg.trainer.eval_before_train):
+        evals = generated(d.num_generated_eval_prompts, seed + 1, f"generated {env.env_class} eval prompts")
+    else:
+        evals = None
+    return train, evals

@@ -1,0 +1,69 @@
+"""Metric sinks: console, a JSONL file in the run directory, TensorBoard, wandb."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from skyrl.train.utils.errors import ConfigError
+
+BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
+METRICS_FILE = "metrics.jsonl"
+
+
+class Tracker:
+    """Logs a dict of scalars per step to every configured backend."""
+
+    def __init__(
+        self, backends: list[str], run_dir: str | Path, project: str, run_name: str, config: dict[str, Any]
+    ):
+        unknown = [b for b in backends if b not in BACKENDS]
+        if unknown:
+            raise ConfigError(
+                f"trainer.logger={backends} has unknown backends {unknown}; choose from {list(BACKENDS)}"
+            )
+        self.backends = list(backends)
+        self.run_dir = Path(run_dir)
+        self._jsonl = (self.run_dir / METRICS_FILE).open("a") if "jsonl" in backends else None
+        self._tb = None
+        if "tensorboard" in backends:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self._wandb = None
+        if "wandb" in backends:
+            import wandb
+
+            self._wandb = wandb.init(project=project, name=run_name, config=config, dir=str(self.run_dir))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
+            self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in clean.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(clean, step=step)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
+    """The JSONL metrics of a run, one dict per logged step; the last record of a step wins (resumes)."""
+    by_step: dict[int, dict[str, float]] = {}
+    path = Path(run_dir) / METRICS_FILE
+    for line in path.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            by_step.setdefault(int(record["step"]), {}).update(record)
+    return [by_step[s] for s in sorted(by_step)]

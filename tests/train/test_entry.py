@@ -1,0 +1,127 @@
+"""`python -m skyrl.train` configuration: presets, schema checks and one readable error per mistake."""
+
+import subprocess
+import sys
+
+import pytest
+
+from skyrl.train.config import compose_config
+from skyrl.train.utils.errors import ConfigError
+
+
+def test_default_config_is_the_cpu_demo():
+    cfg = compose_config([])
+    assert cfg.trainer.policy.model.path == "tiny"
+    assert cfg.environment.env_class == "guess_number"
+    assert cfg.generator.step_wise and cfg.trainer.algorithm.advantage_estimator == "grpo"
+
+
+@pytest.mark.parametrize(
+    ("preset", "key", "value"),
+    [
+        ("algorithm=ppo", "advantage_estimator", "gae"),
+        ("algorithm=rloo", "advantage_estimator", "rloo"),
+        ("algorithm=reinforce_pp", "advantage_estimator", "reinforce++"),
+        ("placement=disaggregated", "colocate_all", False),
+    ],
+)
+def test_presets_set_their_keys(preset, key, value):
+    cfg = compose_config([preset])
+    section = cfg.trainer.placement if key == "colocate_all" else cfg.trainer.algorithm
+    assert getattr(section, key) == value
+
+
+# (overrides, the message must match) — each a different kind of mistake
+BAD_CONFIGS = [
+    (
+        ["trainer.train_batch_sise=8"],
+        r"unknown config key 'trainer.train_batch_sise'; did you mean trainer.train_batch_size\?",
+    ),
+    (["trainer.algorithm.lr=1"], r"unknown config key 'trainer.algorithm.lr'"),
+    (
+        ["trainer.train_batch_size=abc"],
+        r"trainer.train_batch_size='abc' does not fit the schema .*e.g. trainer.train_batch_size=16",
+    ),
+    (["generator.step_wise=maybe"], r"generator.step_wise='maybe' does not fit the schema"),
+    (["algorithm=dpo"], r"algorithm='dpo' is not a preset; choose one of \['grpo', 'ppo'"),
+    (["environment=chess"], r"environment='chess' is not a preset"),
+    (["trainer.train_batch_size=0"], r"trainer.train_batch_size=0 must be a positive integer"),
+    (
+        ["trainer.policy_mini_batch_size=5"],
+        r"not divisible by trainer.policy_mini_batch_size=5.*e.g. trainer.policy_mini_batch_size=4",
+    ),
+    (
+        ["trainer.policy_mini_batch_size=32"],
+        r"policy_mini_batch_size=32 is larger than trainer.train_batch_size=16",
+    ),
+    (
+        ["generator.step_wise=false", "trainer.micro_train_batch_size_per_gpu=3"],
+        r"not divisible by trainer.micro_train_batch_size_per_gpu=3",
+    ),
+    (
+        ["generator.n_samples_per_prompt=1"],
+        r"advantage_estimator=grpo compares the samples .* use at least 2",
+    ),
+    (
+        ["trainer.algorithm.advantage_estimator=vtrace"],
+        r"trainer.algorithm.advantage_estimator='vtrace': unknown advantage estimator",
+    ),
+    (["trainer.algorithm.policy_loss=clip"], r"trainer.algorithm.policy_loss='clip': unknown policy loss"),
+    (["trainer.algorithm.loss_reduction=mean"], r"loss_reduction='mean' is not one of \['token_mean'"),
+    (["trainer.algorithm.loss_reduction=seq_mean_token_sum_norm"], r"needs trainer.algorithm.max_seq_len"),
+    (["trainer.algorithm.kl_estimator=k4"], r"kl_estimator='k4' is not one of \['k1', 'k2', 'k3'\]"),
+    (["trainer.algorithm.kl_ctrl.type=pid"], r"kl_ctrl.type='pid' is not 'fixed' or 'adaptive'"),
+    (
+        ["trainer.algorithm.dynamic_sampling=resample"],
+        r"dynamic_sampling='resample' must be null or 'filter'",
+    ),
+    (["trainer.policy.optimizer.lr=0"], r"trainer.policy.optimizer.lr=0.0 must be positive"),
+    (["trainer.policy.optimizer.scheduler=linear"], r"scheduler='linear' is not 'constant' or 'cosine'"),
+    (
+        ["trainer.resume_mode=/no/such/ckpt"],
+        r"trainer.resume_mode='/no/such/ckpt' must be 'latest', 'none' or an existing",
+    ),
+    (["trainer.logger=[console,mlflow]"], r"unknown backends \['mlflow'\]; choose from"),
+    (["generator.sampling.temperature=-1"], r"generator.sampling.temperature=-1.0 must be >= 0"),
+    (["generator.sampling.top_p=0"], r"generator.sampling.top_p=0.0 must be in \(0, 1\]"),
+    (
+        ["generator.max_input_length=100", "data.max_prompt_length=200"],
+        r"max_input_length=100 must exceed data.max_prompt_length=200",
+    ),
+    (
+        ["environment.env_class=sokoban"],
+        r"environment.env_class='sokoban': unknown environment 'sokoban'; registered: \[",
+    ),
+    (["data.train_path=/no/such/file.parquet"], r"data.train_path='/no/such/file.parquet' does not exist"),
+    (["generator.inference_engine.backend=tgi"], r"backend='tgi' is not one of \['auto', 'vllm', 'hf'\]"),
+    (["trainer.eval_interval=-1"], r"trainer.eval_interval=-1 must be >= 0"),
+    (["trainer.total_steps=-1"], r"trainer.total_steps=-1 must be >= 0"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), BAD_CONFIGS, ids=[" ".join(o) for o, _ in BAD_CONFIGS])
+def test_each_bad_config_gets_one_readable_error(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        compose_config(overrides)
+
+
+def test_cli_prints_the_error_without_a_traceback():
+    result = subprocess.run(
+        [sys.executable, "-m", "skyrl.train", "trainer.policy_mini_batch_size=5"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip().startswith("config error: trainer.train_batch_size=16 is not divisible")
+    assert "Traceback" not in result.stderr
+
+
+def test_cli_prints_the_resolved_config():
+    result = subprocess.run(
+        [sys.executable, "-m", "skyrl.train", "--cfg", "job", "algorithm=ppo"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "advantage_estimator: gae" in result.stdout
