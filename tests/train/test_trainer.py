@@ -109,3 +109,27 @@ def test_custom_env_example_trains_by_config_only(tmp_path):
     assert "first-step mean reward" in result.stdout
     assert len(read_metrics(tmp_path)) == 2
     assert (tmp_path / "metrics.png").exists() and (tmp_path / ".hydra" / "config.yaml").exists()
+
+
+def test_dynamic_sampling_and_zero_variance_filter_run(ray_cluster, tiny_model_path, tmp_path):
+    overrides = [
+        *SMALL,
+        "trainer.total_steps=2",
+        "trainer.algorithm.dynamic_sampling=filter",
+        "trainer.algorithm.max_sample_batches=3",
+        "trainer.algorithm.zero_variance_filter=true",
+    ]
+    history = run(overrides, tmp_path, tiny_model_path)
+    for m in history:
+        assert 1 <= m["dynamic_sampling/draws"] <= 3
+        assert m["dynamic_sampling/kept_groups"] <= 4
+        assert m["policy/optimizer_steps"] == 2 * 2  # 4 prompts / mini-batch 2, two epochs (preset)
+
+
+def test_zero_variance_rows_are_found_per_prompt_group():
+    import torch
+
+    from skyrl.train.trainer import _has_reward_variance
+
+    rewards = torch.tensor([[1.0], [1.0], [0.0], [1.0], [0.5], [0.5]])
+    assert _has_reward_variance(rewards, ["a", "a", "b", "b", "c", "c"]).tolist() == [0, 0, 1, 1, 0, 0]
