@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import ray
 import torch
 from ray.util.placement_group import remove_placement_group
 from tqdm import tqdm
@@ -134,7 +135,7 @@ class Trainer:
 
     def _build_workers(self) -> None:
         t, p = self.cfg.trainer, self.cfg.trainer.placement
-        gpus = 1 if torch.cuda.is_available() else 0
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0  # the driver may sit on a CPU node
         policy_size = p.policy_num_nodes * p.policy_num_gpus_per_node
         colocated = [True, self.use_ref, self.use_critic]
         fraction = 1.0 / sum(colocated) if p.colocate_all else 1.0

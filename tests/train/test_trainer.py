@@ -68,7 +68,7 @@ def test_resume_after_a_kill_continues_like_an_uninterrupted_run(ray_cluster, ti
 def test_ppo_trains_a_critic(ray_cluster, tiny_model_path, tmp_path):
     history = run([*SMALL, "algorithm=ppo", "trainer.total_steps=2"], tmp_path, tiny_model_path)
     assert all("critic/loss" in m and m["critic/loss"] >= 0 for m in history)
-    assert history[-1]["policy/optimizer_steps"] == 2  # train_batch_size / mini_batch_size
+    assert history[-1]["policy/optimizer_steps"] == 4  # 4 prompts / mini-batch 2, two epochs (preset)
 
 
 def test_eval_only_run_logs_greedy_and_sampled_pass_at_k(ray_cluster, tiny_model_path, tmp_path):
