@@ -146,46 +146,45 @@ class Trainer:
             return pg
 
         shared = bundles(policy_size) if p.colocate_all else None
-        opt = t.policy.optimizer
-        opt.total_steps = (
-            opt.total_steps
-            or t.total_steps * (t.train_batch_size // t.policy_mini_batch_size) * t.update_epochs_per_batch
-        )
-        self.policy = ActorGroup(
+
+        def group(worker_cls: type, model: Any, num_nodes: int, gpus_per_node: int, **cfg: Any) -> ActorGroup:
+            path = resolve_model_path(model.path) if model else self.model_path
+            size = policy_size if p.colocate_all else num_nodes * gpus_per_node
+            return ActorGroup(
+                worker_cls,
+                self._worker_config(path, **cfg),
+                size,
+                shared or bundles(size),
+                resource_fraction=fraction,
+            )
+
+        def steps(mini_batch_size: int) -> int:
+            # at least 1 so an eval-only run (total_steps=0) can still build a schedule
+            return max(1, t.total_steps * (t.train_batch_size // mini_batch_size) * t.update_epochs_per_batch)
+
+        t.policy.optimizer.total_steps = t.policy.optimizer.total_steps or steps(t.policy_mini_batch_size)
+        t.critic.optimizer.total_steps = t.critic.optimizer.total_steps or steps(t.critic_mini_batch_size)
+        self.policy = group(
             PolicyWorker,
-            self._worker_config(self.model_path, opt, t.policy.cpu_offload),
-            policy_size,
-            shared or bundles(policy_size),
-            resource_fraction=fraction,
+            None,  # the policy's model is self.model_path, resolved by the caller
+            p.policy_num_nodes,
+            p.policy_num_gpus_per_node,
+            optimizer=t.policy.optimizer,
+            offload=t.policy.cpu_offload,
         )
         self.ref = None
         if self.use_ref:
-            ref_path = resolve_model_path(t.ref.model.path) if t.ref.model else self.model_path
-            size = policy_size if p.colocate_all else p.ref_num_nodes * p.ref_num_gpus_per_node
-            self.ref = ActorGroup(
-                RefWorker,
-                self._worker_config(ref_path, offload=t.ref.cpu_offload),
-                size,
-                shared or bundles(size),
-                resource_fraction=fraction,
+            self.ref = group(
+                RefWorker, t.ref.model, p.ref_num_nodes, p.ref_num_gpus_per_node, offload=t.ref.cpu_offload
             )
         self.critic = None
         if self.use_critic:
-            critic_path = resolve_model_path(t.critic.model.path) if t.critic.model else self.model_path
-            size = policy_size if p.colocate_all else p.critic_num_nodes * p.critic_num_gpus_per_node
-            copt = t.critic.optimizer
-            copt.total_steps = (
-                copt.total_steps
-                or t.total_steps
-                * (t.train_batch_size // t.critic_mini_batch_size)
-                * t.update_epochs_per_batch
-            )
-            self.critic = ActorGroup(
+            self.critic = group(
                 CriticWorker,
-                self._worker_config(critic_path, copt),
-                size,
-                shared or bundles(size),
-                resource_fraction=fraction,
+                t.critic.model,
+                p.critic_num_nodes,
+                p.critic_num_gpus_per_node,
+                optimizer=t.critic.optimizer,
             )
 
     def _generator_config(self, sampling: Any, n_samples: int | None = None) -> GeneratorConfig:

@@ -23,11 +23,14 @@ SMALL = [
 ]
 
 
-def run(overrides, run_dir, model_path):
+def run(overrides, run_dir, model_path, stop_after=None):
+    """Train with `overrides`; `stop_after=N` ends the run after step N as if it were killed there."""
     cfg = compose_config(overrides)
     trainer = Trainer(
         cfg, run_dir, str(model_path), load_datasets(cfg, AutoTokenizer.from_pretrained(model_path))
     )
+    if stop_after is not None:
+        trainer.cfg.trainer.total_steps = stop_after  # schedules were built for the full run
     try:
         return trainer.fit()
     finally:
@@ -50,9 +53,8 @@ def test_resume_after_a_kill_continues_like_an_uninterrupted_run(ray_cluster, ti
     # keeps the advantages non-zero although the samples of a prompt are identical
     common = [*SMALL, "trainer.ckpt_interval=2", "algorithm=ppo", "generator.sampling.temperature=0"]
     straight = run([*common, "trainer.total_steps=4"], tmp_path / "straight", tiny_model_path)
-    run(
-        [*common, "trainer.total_steps=2"], tmp_path / "killed", tiny_model_path
-    )  # stops after the step-2 checkpoint
+    # the same run, killed right after its step-2 checkpoint
+    run([*common, "trainer.total_steps=4"], tmp_path / "killed", tiny_model_path, stop_after=2)
     (tmp_path / "killed" / "checkpoints" / "global_step_3.tmp").mkdir()  # a save cut short by the kill
     resumed = run([*common, "trainer.total_steps=4"], tmp_path / "killed", tiny_model_path)
     assert len(resumed) == 2
