@@ -232,6 +232,7 @@ class Trainer:
             **{f"timing/{k}_s": v for k, v in timings.items()},
             "perf/tokens_per_s": float(batch["attention_mask"].sum()) / sum(timings.values()),
             "batch/sequences": float(len(batch)),
+            "batch/pad_fraction": pad_fraction(policy_bounds, self.policy.num_workers),
         }
 
     def generate(self) -> tuple[list[Episode], dict[str, float]]:
@@ -490,6 +491,12 @@ def _has_reward_variance(rewards: torch.Tensor, uids: list[str]) -> torch.Tensor
     for uid, score in zip(uids, totals, strict=True):
         scores.setdefault(uid, set()).add(round(score, 6))
     return torch.tensor([float(len(scores[u]) > 1) for u in uids])
+
+
+def pad_fraction(bounds: list[tuple[int, int]], dp_size: int) -> float:
+    """Share of the rows sent to the DP ranks that are padding (each mini-batch padded to a multiple of dp_size)."""
+    pads = sum((start - end) % dp_size for start, end in bounds)
+    return pads / (bounds[-1][1] - bounds[0][0] + pads)
 
 
 def allowed_token_ids(tokenizer: Any, tokens: list[str] | None) -> tuple[int, ...]:

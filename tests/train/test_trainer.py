@@ -70,6 +70,7 @@ def test_resume_after_a_kill_continues_like_an_uninterrupted_run(ray_cluster, ti
 def test_ppo_trains_a_critic(ray_cluster, tiny_model_path, tmp_path):
     history = run([*SMALL, "algorithm=ppo", "trainer.total_steps=2"], tmp_path, tiny_model_path)
     assert all("critic/loss" in m and m["critic/loss"] >= 0 for m in history)
+    assert all(m["batch/pad_fraction"] == 0.0 for m in history)  # one DP rank never pads
     assert history[-1]["policy/optimizer_steps"] == 4  # 4 prompts / mini-batch 2, two epochs (preset)
 
 
@@ -135,3 +136,11 @@ def test_zero_variance_rows_are_found_per_prompt_group():
 
     rewards = torch.tensor([[1.0], [1.0], [0.0], [1.0], [0.5], [0.5]])
     assert _has_reward_variance(rewards, ["a", "a", "b", "b", "c", "c"]).tolist() == [0, 0, 1, 1, 0, 0]
+
+
+def test_pad_fraction_counts_the_rows_added_to_reach_the_dp_size():
+    from skyrl.train.trainer import pad_fraction
+
+    assert pad_fraction([(0, 3), (3, 8)], 4) == pytest.approx(4 / 12)  # 3 -> 4 and 5 -> 8
+    assert pad_fraction([(0, 4), (4, 8)], 4) == 0.0
+    assert pad_fraction([(0, 7)], 1) == 0.0
