@@ -73,7 +73,8 @@ def split_train_data_by_dp(data: dict[str, Any], dp_size: int, balance: bool = F
     samples). `balance=True` assigns samples by token count with
     `get_seqlen_balanced_partitions(..., equal_size=True)`; otherwise rank i
     takes `range(i, n, dp_size)`. Deterministic, so every rank computes the same
-    split. Inputs are validated up front (`ValueError` naming key and index) and
+    split; the trainer's DP split (driver-side or delayed) uses these partitions
+    too. Inputs are validated up front (`ValueError` naming key and index) and
     `data` is never mutated.
     """
     if dp_size <= 0:

@@ -1,9 +1,9 @@
 """Mini-batch dispatch to data-parallel ranks, and the way back.
 
 Per mini-batch: slice, pad to a multiple of the DP size with loss-masked rows,
-assign rows to ranks (contiguous chunks, or sequence-length balanced), put each
-rank's part in the Ray object store. Per-row outputs come back in the original
-row order with every pad row removed.
+assign rows to ranks (`split_train_data_by_dp`'s rule: strided, or sequence-length
+balanced), put each rank's part in the Ray object store. Per-row outputs come back
+in the original row order with every pad row removed.
 """
 
 from __future__ import annotations
@@ -14,24 +14,21 @@ from dataclasses import dataclass
 import ray
 
 from skyrl.train.training_batch import TrainingInputBatch, pad_training_input_batch
-from skyrl.train.utils.seqlen_balancing import get_seqlen_balanced_partitions
+from skyrl.train.utils.data import split_train_data_by_dp
 
 
 def partition_rows(batch: TrainingInputBatch, dp_size: int, balance: bool) -> list[list[int]]:
     """Row indices of each DP rank, for a batch whose length is a multiple of `dp_size`.
 
-    Contiguous equal chunks, or (`balance`) Karmarkar-Karp partitions of equal size
-    over token counts. Deterministic, so every rank computes the same assignment.
+    The `partition`s of `split_train_data_by_dp` over the rows' attended tokens.
+    The driver-side split and the delayed split (each worker) both call this, and it
+    is deterministic, so every rank gets the same rows either way.
     """
     n = len(batch)
     if n % dp_size != 0:
         raise ValueError(f"a batch of {n} rows cannot be split over {dp_size} ranks; pad it first")
-    if balance:
-        return get_seqlen_balanced_partitions(
-            batch["attention_mask"].sum(-1).tolist(), dp_size, equal_size=True
-        )
-    size = n // dp_size
-    return [list(range(r * size, (r + 1) * size)) for r in range(dp_size)]
+    tokens = [seq[mask.bool()] for seq, mask in zip(batch["sequences"], batch["attention_mask"], strict=True)]
+    return [part["partition"] for part in split_train_data_by_dp({"tokens": tokens}, dp_size, balance)]
 
 
 @dataclass

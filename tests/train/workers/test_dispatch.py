@@ -2,6 +2,7 @@ import ray
 import torch
 
 from skyrl.train.training_batch import TrainingInputBatch
+from skyrl.train.utils.data import split_train_data_by_dp
 from skyrl.train.workers.dispatch import MeshDispatch, partition_rows
 
 
@@ -11,7 +12,12 @@ def numbered_batch(n: int) -> TrainingInputBatch:
     for i in range(n):
         attention[i, : i + 1] = 1
     batch = TrainingInputBatch(
-        {"row": torch.arange(n).float()[:, None], "attention_mask": attention, "loss_mask": torch.ones(n, 1)}
+        {
+            "row": torch.arange(n).float()[:, None],
+            "sequences": torch.arange(n * (n + 1)).view(n, n + 1),
+            "attention_mask": attention,
+            "loss_mask": torch.ones(n, 1),
+        }
     )
     batch.metadata["uids"] = [f"u{i}" for i in range(n)]
     return batch
@@ -37,9 +43,10 @@ def test_stage_chunks_pads_each_mini_batch_to_the_dp_size(ray_cluster):
     assert [len(m) for m in staged] == [4, 4, 4]
     parts = [[ray.get(m[r]) for r in range(4)] for m in staged]
     assert [[len(p) for p in mini] for mini in parts] == [[1, 1, 1, 1], [2, 2, 2, 2], [1, 1, 1, 1]]
-    middle = TrainingInputBatch.cat(parts[1])
-    assert middle["row"][:5, 0].tolist() == [3, 4, 5, 6, 7]
-    assert middle["loss_mask"][5:].sum() == 0 and middle.metadata["pad_size"] == 3
+    assert staged[1].rows == [[0, 4], [1, 5], [2, 6], [3, 7]]  # strided; rows >= 5 are the 3 pad rows
+    middle = TrainingInputBatch.cat(parts[1])  # rows 0, 4, 1, 5, 2, 6, 3, 7
+    assert middle["row"][[0, 2, 4, 6, 1], 0].tolist() == [3, 4, 5, 6, 7]
+    assert middle["loss_mask"][[3, 5, 7]].sum() == 0 and middle.metadata["pad_size"] == 3
 
 
 def test_balanced_staging_spreads_tokens_evenly(ray_cluster):
@@ -57,3 +64,19 @@ def test_gather_restores_row_order_and_strips_pads_of_a_padded_middle_mini_batch
             staged = MeshDispatch.stage_chunks(2, batch, bounds, balance, delay_split)
             gathered = MeshDispatch.gather(staged, rank_outputs(staged, 2, balance, delay_split))
             assert gathered["out"][:, 0].tolist() == [10.0 * i for i in range(11)], (balance, delay_split)
+
+
+def test_delayed_and_driver_side_splits_give_each_rank_the_rows_of_split_train_data_by_dp(ray_cluster):
+    batch = numbered_batch(11)
+    bounds = [(0, 4), (4, 7), (7, 11)]
+    for balance in (False, True):
+        eager = MeshDispatch.stage_chunks(2, batch, bounds, balance)
+        delayed = MeshDispatch.stage_chunks(2, batch, bounds, balance, delay_split=True)
+        for mini_eager, mini_delayed in zip(eager, delayed, strict=True):
+            whole = ray.get(mini_delayed[0])
+            rollout = {"tokens": [list(range(n)) for n in whole["attention_mask"].sum(-1).tolist()]}
+            expected = [part["partition"] for part in split_train_data_by_dp(rollout, 2, balance)]
+            assert mini_eager.rows == mini_delayed.rows == expected, balance
+            for rank in range(2):
+                own = whole.select_rows(partition_rows(whole, 2, balance)[rank])  # the worker's `_own_part`
+                assert torch.equal(own["row"], ray.get(mini_eager[rank])["row"]), (balance, rank)

@@ -13,6 +13,7 @@ from scripts.check_dp_equivalence import (
 )
 from skyrl.train.dataset.preprocess import compute_prompt_mini_batch_boundaries
 from skyrl.train.workers.actor_group import ActorGroup, create_placement_group, latest_checkpoint
+from skyrl.train.workers.dispatch import MeshDispatch
 from skyrl.train.workers.fsdp_worker import (
     CHECKPOINT_DONE,
     CriticWorker,
@@ -72,6 +73,24 @@ def policy_dp2(ray_cluster, tiny_model_path):
 
 def global_step(group):
     return ray.get(group.actors[0].__ray_call__.remote(lambda worker: worker.global_step))
+
+
+def test_delayed_split_gives_each_worker_the_rows_of_the_driver_side_split(policy_dp2):
+    batch, bounds = stepwise_batch(512)
+    for balance in (False, True):
+        eager = MeshDispatch.stage_chunks(2, batch, bounds, balance)
+        delayed = MeshDispatch.stage_chunks(2, batch, bounds, balance, delay_split=True)
+        for mini_eager, mini_delayed in zip(eager, delayed, strict=True):
+            refs = [
+                actor.__ray_call__.remote(
+                    lambda w, data, b=balance: w._own_part(data, 2, b), mini_delayed[rank]
+                )
+                for rank, actor in enumerate(policy_dp2.actors)
+            ]
+            for rank, own in enumerate(ray.get(refs, timeout=120)):
+                expected = ray.get(mini_eager[rank])
+                assert own.metadata["uids"] == expected.metadata["uids"], (balance, rank)
+                assert torch.equal(own["sequences"], expected["sequences"]), (balance, rank)
 
 
 def test_optimizer_steps_per_batch_are_prompt_mini_batches_times_epochs(policy_dp2, tiny_model_path):
