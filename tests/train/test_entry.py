@@ -1,7 +1,10 @@
 """`python -m skyrl.train` configuration: presets, schema checks and one readable error per mistake."""
 
+import json
+import os
 import subprocess
 import sys
+import uuid
 
 import pytest
 
@@ -125,3 +128,64 @@ def test_cli_prints_the_resolved_config():
         check=True,
     )
     assert "advantage_estimator: gae" in result.stdout
+
+
+# A second driver: compose the config like `python -m skyrl.train`, call its start_ray, report what it joined.
+JOIN_SCRIPT = """
+import json, sys
+import ray
+from skyrl.train.__main__ import start_ray
+from skyrl.train.config import compose_config
+
+name, namespace, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
+start_ray(compose_config(overrides))
+holder = ray.get_actor(name, namespace=namespace)
+print(json.dumps({
+    "gcs_address": ray.get_runtime_context().gcs_address,
+    "node_id": ray.get_runtime_context().get_node_id(),
+    "cpus": ray.cluster_resources().get("CPU"),
+    "token": ray.get(holder.token.remote()),
+}))
+"""
+
+
+@pytest.mark.parametrize("via", ["ray.address", "RAY_ADDRESS"])
+def test_start_ray_joins_the_running_cluster(ray_cluster, via: str):
+    """A separate driver given the session cluster's address (config key or env var) joins that cluster:
+    same GCS address, node and CPUs, and it reaches a named actor created here."""
+    ray = ray_cluster
+
+    class TokenHolder:
+        def __init__(self, token: str):
+            self._token = token
+
+        def token(self) -> str:
+            return self._token
+
+    address = ray.get_runtime_context().gcs_address
+    name, namespace, token = f"token-{uuid.uuid4().hex[:8]}", "skyrl-test-join", uuid.uuid4().hex
+    holder = ray.remote(num_cpus=0)(TokenHolder).options(name=name, namespace=namespace).remote(token)
+    try:
+        assert ray.get(holder.token.remote()) == token
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        overrides = [f"ray.address={address}"] if via == "ray.address" else []
+        if via == "RAY_ADDRESS":
+            env["RAY_ADDRESS"] = address
+        result = subprocess.run(
+            [sys.executable, "-c", JOIN_SCRIPT, name, namespace, *overrides],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+            check=False,
+        )
+    finally:
+        ray.kill(holder)
+    assert result.returncode == 0, result.stderr[-3000:]
+    joined = json.loads(result.stdout.strip().splitlines()[-1])
+    assert joined == {
+        "gcs_address": address,
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "cpus": ray.cluster_resources()["CPU"],
+        "token": token,
+    }
