@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,18 @@ class Tracker:
         if "wandb" in backends:
             import wandb
 
-            self._wandb = wandb.init(project=project, name=run_name, config=config, dir=str(self.run_dir))
+            # a resumed run (same run directory) continues the same wandb run
+            id_file = self.run_dir / "wandb" / "run_id"
+            run_id = id_file.read_text() if id_file.exists() else secrets.token_hex(4)
+            self._wandb = wandb.init(
+                project=project,
+                name=run_name,
+                config=config,
+                dir=str(self.run_dir),
+                id=run_id,
+                resume="allow",
+            )
+            id_file.write_text(run_id)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}

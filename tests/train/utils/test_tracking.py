@@ -44,11 +44,9 @@ def wandb_records(path: Path) -> Iterator[wandb_internal_pb2.Record]:
             yield record
 
 
-def test_wandb_backend_logs_an_offline_run_into_the_run_directory(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-):
-    """An offline wandb run lands under `run_dir/wandb` (not WANDB_DIR or the cwd) with the config,
-    and one history row per logged step holding the finite metrics that step was given."""
+@pytest.fixture
+def offline_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """wandb offline, with every wandb directory under `tmp_path/elsewhere` (returned)."""
     elsewhere = tmp_path / "elsewhere"
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -61,6 +59,14 @@ def test_wandb_backend_logs_an_offline_run_into_the_run_directory(
     ]:
         monkeypatch.setenv(var, str(elsewhere / sub))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    yield elsewhere
+    wandb.teardown()
+
+
+def test_wandb_backend_logs_an_offline_run_into_the_run_directory(tmp_path: Path, offline_wandb: Path):
+    """An offline wandb run lands under `run_dir/wandb` (not WANDB_DIR or the cwd) with the config,
+    and one history row per logged step holding the finite metrics that step was given."""
+    elsewhere = offline_wandb
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     logged = {
@@ -70,14 +76,12 @@ def test_wandb_backend_logs_an_offline_run_into_the_run_directory(
     }
 
     tracker = Tracker(["console", "wandb"], run_dir, "skyrl-test", "offline-run", {"trainer": {"seed": 7}})
-    try:
-        for step, metrics in logged.items():
-            tracker.log(metrics, step=step)
-        tracker.close()
-        run_files = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
-        records = [r for f in run_files for r in wandb_records(f)]
-    finally:
-        wandb.teardown()
+    for step, metrics in logged.items():
+        tracker.log(metrics, step=step)
+    tracker.close()
+    wandb.teardown()  # the wandb service writes the run file asynchronously; this waits for it
+    run_files = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    records = [r for f in run_files for r in wandb_records(f)]
 
     assert len(run_files) == 1, f"expected one offline run under {run_dir}/wandb, found {run_files}"
     assert not (elsewhere / "dir").exists() and not (tmp_path / "wandb").exists()
@@ -96,3 +100,17 @@ def test_wandb_backend_logs_an_offline_run_into_the_run_directory(
             history.append({k: v for k, v in row.items() if not k.startswith("_")} | {"_step": row["_step"]})
     expected = [{k: v for k, v in m.items() if k != "grad_norm"} | {"_step": s} for s, m in logged.items()]
     assert history == expected
+
+
+def test_a_resumed_run_continues_the_same_wandb_run(tmp_path: Path, offline_wandb: Path):
+    """Two trackers on one run directory (a run, then its resume) log to one wandb run id."""
+    for step in (1, 2):
+        tracker = Tracker(["wandb"], tmp_path, "skyrl-test", "resumed", {})
+        tracker.log({"loss": 1.0 / step}, step=step)
+        tracker.close()
+    wandb.teardown()
+    run_files = sorted(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    run_ids = {
+        r.run.run_id for f in run_files for r in wandb_records(f) if r.WhichOneof("record_type") == "run"
+    }
+    assert len(run_files) == 2 and len(run_ids) == 1, (run_files, run_ids)
