@@ -446,6 +446,21 @@ def validate_config(cfg: SkyRLConfig) -> None:
         local = path is not None and Path(path).suffix in (".parquet", ".jsonl", ".json")
         _require(not local or Path(path).exists(), f"{key}={path!r} does not exist; give an existing file.")
     validate_engine_config(g.inference_engine)
+    e, p = g.inference_engine, t.placement
+    if p.colocate_all:
+        bundles = p.policy_num_nodes * p.policy_num_gpus_per_node
+        _require(
+            e.tensor_parallel_size == 1,
+            f"generator.inference_engine.tensor_parallel_size={e.tensor_parallel_size} with "
+            "trainer.placement.colocate_all=true: a colocated engine shares one bundle with one policy rank; "
+            "use tensor_parallel_size=1 or placement=disaggregated.",
+        )
+        _require(
+            e.num_engines <= bundles,
+            f"generator.inference_engine.num_engines={e.num_engines} exceeds the {bundles} policy bundles "
+            "the colocated engines share (trainer.placement.policy_num_nodes x policy_num_gpus_per_node); "
+            f"use num_engines<={bundles} or placement=disaggregated.",
+        )
     if g.http_endpoint.enabled:
         validate_server_config(g.http_endpoint)
 

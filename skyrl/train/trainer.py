@@ -16,7 +16,7 @@ import random
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ import numpy as np
 import ray
 import torch
 from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tqdm import tqdm
 
 from skyrl.train.algorithms import (
@@ -94,8 +95,10 @@ class Trainer:
             if kl.type == "adaptive"
             else FixedKLController(kl.kl_coef)
         )
+        self.colocated = t.placement.colocate_all
         self._build_workers()
-        self.client = InferenceEngineClient.from_config(cfg.generator.inference_engine, model_path)
+        self.client = self._start_engines()
+        self.broadcast_sync = self._init_weight_sync()
         self.rollout = RolloutManager(
             self.client, self.tokenizer, self._generator_config(cfg.generator.sampling)
         )
@@ -130,6 +133,8 @@ class Trainer:
             bf16=t.policy.bf16,
             cpu_offload=offload,
             seed=t.seed,
+            # colocated actors take turns, so each may use every core of its bundle
+            num_threads=max(1, int(t.placement.cpus_per_worker)),
             **kwargs,
         )
 
@@ -137,8 +142,10 @@ class Trainer:
         t, p = self.cfg.trainer, self.cfg.trainer.placement
         gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0  # the driver may sit on a CPU node
         policy_size = p.policy_num_nodes * p.policy_num_gpus_per_node
-        colocated = [True, self.use_ref, self.use_critic]
-        fraction = 1.0 / sum(colocated) if p.colocate_all else 1.0
+        groups = [True, self.use_ref, self.use_critic, True]  # policy, ref, critic, inference engines
+        fraction = 1.0 / sum(groups) if p.colocate_all else 1.0
+        # what each colocated inference engine takes of its bundle
+        self._engine_resources = {"num_cpus": p.cpus_per_worker * fraction, "num_gpus": gpus * fraction}
 
         def bundles(n: int) -> Any:
             pg = create_placement_group(n, cpus_per_bundle=p.cpus_per_worker, gpus_per_bundle=gpus)
@@ -146,6 +153,7 @@ class Trainer:
             return pg
 
         shared = bundles(policy_size) if p.colocate_all else None
+        self._shared_pg = shared
 
         def group(worker_cls: type, model: Any, num_nodes: int, gpus_per_node: int, **cfg: Any) -> ActorGroup:
             path = resolve_model_path(model.path) if model else self.model_path
@@ -187,6 +195,51 @@ class Trainer:
                 optimizer=t.critic.optimizer,
             )
 
+    def _start_engines(self) -> InferenceEngineClient:
+        """The inference engines; colocated, engine i takes a fraction of the policy's bundle i and sleeps
+        (freeing its GPU memory) while the workers train."""
+        e = self.cfg.generator.inference_engine
+        if not self.colocated:
+            return InferenceEngineClient.from_config(e, self.model_path)
+        strategies = [
+            PlacementGroupSchedulingStrategy(placement_group=self._shared_pg, placement_group_bundle_index=i)
+            for i in range(e.num_engines)
+        ]
+        if self._engine_resources["num_gpus"]:
+            e = replace(e, enable_sleep_mode=True)
+        return InferenceEngineClient.from_config(e, self.model_path, strategies, self._engine_resources)
+
+    def _init_weight_sync(self) -> bool:
+        """Resolve `weight_sync` and, for `broadcast`, join policy rank 0 and the engines in one group."""
+        e = self.cfg.generator.inference_engine
+        on_gpu = ray.cluster_resources().get("GPU", 0) > 0
+        colocated = self.cfg.trainer.placement.colocate_all
+        mode = e.weight_sync
+        if mode == "auto":
+            mode = "broadcast" if on_gpu and not colocated else "object_store"
+        if mode == "broadcast" and on_gpu and colocated:
+            raise ConfigError(
+                "generator.inference_engine.weight_sync=broadcast needs engines on GPUs of their own (NCCL cannot "
+                "join two ranks on one GPU), but trainer.placement.colocate_all=true; use weight_sync=object_store "
+                "(or auto), or placement=disaggregated"
+            )
+        logger.info("weight sync: %s", mode)
+        if mode == "object_store":
+            return False
+        addr, port = self.policy.rank0_free_port()
+        world, backend = self.client.weight_sync_world_size, "nccl" if on_gpu else "gloo"
+
+        def join_sender() -> Any:
+            return asyncio.gather(
+                *(
+                    a.init_weight_sync.remote(addr, port, world, backend, e.weight_sync_timeout_s)
+                    for a in self.policy.actors
+                )
+            )
+
+        asyncio.run(self.client.init_weight_sync(addr, port, backend, e.weight_sync_timeout_s, join_sender))
+        return True
+
     def _generator_config(self, sampling: Any, n_samples: int | None = None) -> GeneratorConfig:
         g, env = self.cfg.generator, self.cfg.environment
         return GeneratorConfig(
@@ -209,6 +262,8 @@ class Trainer:
         timings: dict[str, float] = {}
         with _timer(timings, "generate"):
             episodes, gen_metrics = self.generate()
+        if self.colocated:  # the engines hand the accelerator to the workers (a no-op on CPU)
+            asyncio.run(self.client.sleep())
         with _timer(timings, "batch"):
             batch, uids = self.make_batch(episodes)
             t, n = self.cfg.trainer, self.cfg.generator.n_samples_per_prompt
@@ -223,6 +278,8 @@ class Trainer:
         with _timer(timings, "train"):
             train_metrics = self.train(batch, policy_bounds)
         with _timer(timings, "sync"):
+            if self.colocated:
+                asyncio.run(self.client.wake_up())
             self.sync_weights()
         self.step += 1
         return {
@@ -351,9 +408,18 @@ class Trainer:
         return metrics
 
     def sync_weights(self) -> None:
-        """Full policy weights to every engine through the object store; bumps the weight version."""
+        """Policy weights to every engine (broadcast group by group, or a full state dict through the
+        object store); bumps the weight version."""
         self.weight_version += 1
-        asyncio.run(self.client.update_weights(self.policy.full_state_dict(), self.weight_version))
+        if not self.broadcast_sync:
+            asyncio.run(self.client.update_weights(self.policy.full_state_dict(), self.weight_version))
+            return
+        spec = self.policy.run("weight_broadcast_spec")[0]
+
+        def send() -> Any:
+            return asyncio.gather(*(a.broadcast_weights.remote() for a in self.policy.actors))
+
+        asyncio.run(self.client.broadcast_weights(spec, self.weight_version, send))
 
     # ---- eval ----
     def evaluate(self) -> dict[str, float]:

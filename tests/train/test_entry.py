@@ -98,6 +98,18 @@ BAD_CONFIGS = [
     (["data.train_path=/no/such/file.parquet"], r"data.train_path='/no/such/file.parquet' does not exist"),
     (["generator.inference_engine.backend=tgi"], r"backend='tgi' is not one of \['auto', 'vllm', 'hf'\]"),
     (["trainer.eval_interval=-1"], r"trainer.eval_interval=-1 must be >= 0"),
+    (
+        ["generator.inference_engine.tensor_parallel_size=2"],
+        r"tensor_parallel_size=2 with trainer.placement.colocate_all=true.*or placement=disaggregated",
+    ),
+    (
+        ["generator.inference_engine.num_engines=2"],
+        r"num_engines=2 exceeds the 1 policy bundles .* use num_engines<=1 or placement=disaggregated",
+    ),
+    (
+        ["generator.inference_engine.weight_sync=ipc"],
+        r"weight_sync='ipc' is not one of \['auto', 'object_store'",
+    ),
     (["trainer.total_steps=-1"], r"trainer.total_steps=-1 must be >= 0"),
 ]
 

@@ -1,10 +1,13 @@
 """The whole loop on the tiny model: learning, resume, PPO with a critic, eval-only, a custom env."""
 
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import ray
+import torch
 from transformers import AutoTokenizer
 
 from skyrl.train.config import compose_config
@@ -72,6 +75,51 @@ def test_ppo_trains_a_critic(ray_cluster, tiny_model_path, tmp_path):
     assert all("critic/loss" in m and m["critic/loss"] >= 0 for m in history)
     assert all(m["batch/pad_fraction"] == 0.0 for m in history)  # one DP rank never pads
     assert history[-1]["policy/optimizer_steps"] == 4  # 4 prompts / mini-batch 2, two epochs (preset)
+
+
+def test_broadcast_weight_sync_keeps_engines_on_the_policy_weights(ray_cluster, tiny_model_path, tmp_path):
+    """Two policy ranks and the engine in a gloo broadcast group (the NCCL path on GPU): after every
+    update the engine samples with the policy's weights, so rollout and trainer logprobs agree."""
+    overrides = [
+        *SMALL,
+        "trainer.total_steps=3",
+        "trainer.placement.policy_num_gpus_per_node=2",
+        "generator.inference_engine.weight_sync=broadcast",
+    ]
+    history = run(overrides, tmp_path, tiny_model_path)
+    assert all(m["policy/grad_norm"] > 0 for m in history)
+    assert [m["policy/rollout_logprob_gap"] < 1e-4 for m in history] == [True] * 3, history
+
+
+def test_colocated_engines_share_the_policy_bundles_and_sleep_while_the_workers_train(
+    ray_cluster, tiny_model_path, tmp_path
+):
+    cfg = compose_config([*SMALL, "trainer.total_steps=2"])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    trainer = Trainer(cfg, tmp_path, str(tiny_model_path), load_datasets(cfg, tokenizer))
+    asleep_during_training = []
+    train = trainer.train
+
+    def observed_train(batch, bounds):
+        asleep_during_training.append([h.asleep for h in asyncio.run(trainer.client.health())])
+        return train(batch, bounds)
+
+    trainer.train = observed_train
+    try:
+        engine_pg = ray.get(
+            trainer.client.engines[0].__ray_call__.remote(
+                lambda _: ray.get_runtime_context().get_placement_group_id()
+            )
+        )
+        assert engine_pg == trainer._shared_pg.id.hex()
+        # colocated actors take turns, so the policy keeps both cores of its bundle (preset: 2 CPUs)
+        threads = ray.get(trainer.policy.actors[0].__ray_call__.remote(lambda _: torch.get_num_threads()))
+        assert threads == 2
+        trainer.fit()
+        assert asleep_during_training == [[True], [True]]
+        assert [h.asleep for h in asyncio.run(trainer.client.health())] == [False]
+    finally:
+        trainer.shutdown()
 
 
 def test_eval_only_run_logs_greedy_and_sampled_pass_at_k(ray_cluster, tiny_model_path, tmp_path):

@@ -5,9 +5,13 @@ that served the session before, so every turn of a trajectory reuses that
 engine's prefix cache; a new session or a request without one goes to the engine
 with the fewest requests in flight (ties: the one routed to least often).
 
-Weight sync (CPU path): the named tensors are `ray.put` once and every engine
-fetches them from the object store; each engine validates the update, loads it
-and resets its prefix cache; then the client's `weight_version` advances.
+Weight sync, two paths behind one version counter:
+- object store (`update_weights`): the named tensors are `ray.put` once and every
+  engine fetches them, validates the update, loads it and resets its prefix cache.
+- broadcast (`init_weight_sync`, `broadcast_weights`): the engines join a process
+  group with the policy's rank 0 (NCCL on GPU, gloo on CPU; see `weight_sync`),
+  check the spec of the update, then receive it group by group.
+Either way the client's `weight_version` advances once every engine has the update.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import asyncio
 import dataclasses
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -25,6 +29,7 @@ from ray.actor import ActorHandle
 
 from skyrl.train.inference.config import InferenceEngineConfig, resolve_backend, validate_engine_config
 from skyrl.train.inference.engine import EngineHealth, GenerationOutput, SamplingParams
+from skyrl.train.inference.weight_sync import BroadcastSpec
 
 logger = logging.getLogger(__name__)
 
@@ -44,12 +49,19 @@ def _engine_class(backend: str) -> type:
 
 
 def create_engine(
-    cfg: InferenceEngineConfig, model_path: str, scheduling_strategy: Any = None
+    cfg: InferenceEngineConfig,
+    model_path: str,
+    scheduling_strategy: Any = None,
+    resources: Mapping[str, float] | None = None,
 ) -> ActorHandle:
-    """Start one engine actor for a resolved config (`backend` is `vllm` or `hf`, `device` is `cpu` or `cuda`)."""
+    """Start one engine actor for a resolved config (`backend` is `vllm` or `hf`, `device` is `cpu` or `cuda`).
+
+    `resources` (`num_cpus`, `num_gpus`) replaces the default of `num_cpus_per_engine` CPUs and, on
+    cuda, `tensor_parallel_size` GPUs (e.g. a fraction of a bundle shared with training workers)."""
     options: dict[str, Any] = {"num_cpus": cfg.num_cpus_per_engine}
     if cfg.device == "cuda":
         options["num_gpus"] = cfg.tensor_parallel_size
+    options.update(resources or {})
     if scheduling_strategy is not None:
         options["scheduling_strategy"] = scheduling_strategy
     actor_class = ray.remote(_engine_class(cfg.backend))
@@ -79,6 +91,7 @@ class InferenceEngineClient:
         max_concurrent_requests: int = 1024,
         engine_factory: Callable[[int], ActorHandle] | None = None,
         max_sessions: int = 100_000,
+        ranks_per_engine: int = 1,
     ) -> None:
         assert engines, "a client needs at least one engine"
         self._engines = list(engines)
@@ -91,21 +104,28 @@ class InferenceEngineClient:
         self._limiter: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
         self._weight_version = 0
         self._latest_weights: ray.ObjectRef | None = None
+        self._ranks_per_engine = ranks_per_engine
+        self._in_sync_group = False
 
     @classmethod
     def from_config(
-        cls, cfg: InferenceEngineConfig, model_path: str, scheduling_strategies: Sequence[Any] | None = None
+        cls,
+        cfg: InferenceEngineConfig,
+        model_path: str,
+        scheduling_strategies: Sequence[Any] | None = None,
+        resources: Mapping[str, float] | None = None,
     ) -> InferenceEngineClient:
         """Start `cfg.num_engines` engine actors, wait until they serve, and return a client that can restart them.
 
-        `scheduling_strategies[i]` (e.g. a placement group bundle) places engine i.
+        `scheduling_strategies[i]` (e.g. a placement group bundle) places engine i; `resources` as in
+        `create_engine`.
         """
         cfg = resolve_engine_config(cfg)
         strategies = list(scheduling_strategies or [None] * cfg.num_engines)
         assert len(strategies) == cfg.num_engines, "one scheduling strategy per engine"
 
         def factory(index: int) -> ActorHandle:
-            return create_engine(cfg, model_path, strategies[index])
+            return create_engine(cfg, model_path, strategies[index], resources)
 
         engines = [factory(i) for i in range(cfg.num_engines)]
         ray.get([e.health.remote() for e in engines])
@@ -117,7 +137,7 @@ class InferenceEngineClient:
             cfg.tensor_parallel_size,
             model_path,
         )
-        return cls(engines, cfg.max_concurrent_requests, factory)
+        return cls(engines, cfg.max_concurrent_requests, factory, ranks_per_engine=cfg.tensor_parallel_size)
 
     @property
     def num_engines(self) -> int:
@@ -181,27 +201,67 @@ class InferenceEngineClient:
                 self._in_flight[index] -= 1
 
     async def _call_all(self, method: str, *args: Any) -> list[Any]:
-        results = await asyncio.gather(
-            *(self._call(i, method, *args) for i in range(len(self._engines))), return_exceptions=True
-        )
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return results
+        return await _gather(*(self._call(i, method, *args) for i in range(len(self._engines))))
+
+    def _check_version(self, version: int) -> None:
+        if version <= self._weight_version:
+            raise ValueError(
+                f"weight version {version} must be greater than the current {self._weight_version}."
+            )
 
     async def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """Push weights to every engine: put once in the object store, each engine fetches, validates,
         loads and resets its prefix cache. `version` must exceed `weight_version`, which becomes
         `version` once all engines accepted. A bad update raises `WeightUpdateError` from the engines
         and changes nothing."""
-        if version <= self._weight_version:
-            raise ValueError(
-                f"weight version {version} must be greater than the current {self._weight_version}."
-            )
+        self._check_version(version)
         ref = ray.put({name: t.detach().cpu() for name, t in named_tensors.items()})
         await self._call_all("update_weights", ref, version)
         self._weight_version = version
         self._latest_weights = ref
+
+    @property
+    def weight_sync_world_size(self) -> int:
+        """Ranks of the broadcast weight-sync group: the sender (rank 0) and every engine worker."""
+        return 1 + self.num_engines * self._ranks_per_engine
+
+    async def init_weight_sync(
+        self,
+        master_addr: str,
+        master_port: int,
+        backend: str,
+        timeout_s: float,
+        join_sender: Callable[[], Awaitable[Any]],
+    ) -> None:
+        """Every engine joins the broadcast group at `master_addr:master_port` while `join_sender()`
+        makes the sender join as rank 0 (all ranks must join together). `backend`: `nccl` or `gloo`."""
+        world_size = self.weight_sync_world_size
+        joins = [
+            self._call(
+                i,
+                "init_weight_sync",
+                master_addr,
+                master_port,
+                1 + i * self._ranks_per_engine,
+                world_size,
+                backend,
+                timeout_s,
+            )
+            for i in range(self.num_engines)
+        ]
+        await _gather(join_sender(), *joins)
+        self._in_sync_group = True
+
+    async def broadcast_weights(
+        self, spec: BroadcastSpec, version: int, send: Callable[[], Awaitable[Any]]
+    ) -> None:
+        """Weight sync by broadcast: every engine checks `spec` (a bad update raises `WeightUpdateError`
+        and nothing is sent), then `send()` broadcasts the groups of `spec` in order while every engine
+        receives and loads them. `version` as in `update_weights`."""
+        self._check_version(version)
+        await self._call_all("check_weight_spec", spec)
+        await _gather(send(), self._call_all("receive_weights", spec, version))
+        self._weight_version = version
 
     async def reset_prefix_cache(self) -> None:
         """Reset every engine's prefix cache."""
@@ -226,6 +286,11 @@ class InferenceEngineClient:
         object store for this, so restarts restore the current weights when updates
         are full state dicts (what the trainer sends).
         """
+        if self._in_sync_group:
+            raise RuntimeError(
+                "engines in a broadcast weight-sync group cannot be restarted one by one (the group has a "
+                "fixed size); restart the run, which resumes from its last checkpoint."
+            )
         if self._factory is None:
             raise RuntimeError(
                 "this client was built from actor handles and cannot start engines; "
@@ -249,3 +314,12 @@ class InferenceEngineClient:
             logger.warning("an inference engine did not shut down cleanly: %s", exc)
         for engine in self._engines:
             ray.kill(engine, no_restart=True)
+
+
+async def _gather(*awaitables: Awaitable[Any]) -> list[Any]:
+    """Await all, then raise the first error (no call is left running behind an early failure)."""
+    results = await asyncio.gather(*awaitables, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results

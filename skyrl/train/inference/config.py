@@ -17,6 +17,7 @@ SERVER_KEY = "generator.http_endpoint"
 BACKENDS = ("auto", "vllm", "hf")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+WEIGHT_SYNCS = ("auto", "object_store", "broadcast")
 CPU_KV_CACHE_BYTES = 1 << 30
 
 
@@ -34,6 +35,11 @@ class InferenceEngineConfig:
     hf_batch_wait_s: the `hf` engine keeps collecting requests while they keep
     arriving within this window before it starts a batch.
     max_concurrent_requests: requests the client has in flight over all engines.
+    weight_sync: how the trainer sends policy weights to the engines: `object_store`
+    (full state dict through Ray), `broadcast` (a process group from policy rank 0
+    to the engines: NCCL on GPU, gloo on CPU; engines need GPUs of their own), or
+    `auto` (broadcast on GPU when the engines are not colocated, else object_store).
+    weight_sync_timeout_s: how long a broadcast rank waits for the others.
     """
 
     backend: str = "auto"
@@ -52,6 +58,8 @@ class InferenceEngineConfig:
     num_cpus_per_engine: float = 1.0
     hf_batch_wait_s: float = 0.005
     max_concurrent_requests: int = 1024
+    weight_sync: str = "auto"
+    weight_sync_timeout_s: float = 600.0
 
 
 @dataclass
@@ -88,12 +96,14 @@ def validate_engine_config(cfg: InferenceEngineConfig) -> None:
     _choice(k, "backend", cfg.backend, BACKENDS)
     _choice(k, "device", cfg.device, DEVICES)
     _choice(k, "dtype", cfg.dtype, DTYPES)
+    _choice(k, "weight_sync", cfg.weight_sync, WEIGHT_SYNCS)
     for name, example in [
         ("num_engines", "1"),
         ("tensor_parallel_size", "1"),
         ("max_num_seqs", "256"),
         ("max_concurrent_requests", "1024"),
         ("num_cpus_per_engine", "1"),
+        ("weight_sync_timeout_s", "600"),
     ]:
         _positive(k, name, getattr(cfg, name), example)
     if not 0 < cfg.gpu_memory_utilization <= 1:

@@ -22,6 +22,8 @@ from typing import Literal
 
 import torch
 
+from skyrl.train.inference.weight_sync import BroadcastSpec
+
 StopReason = Literal["stop", "length", "abort"]
 
 
@@ -120,6 +122,29 @@ class InferenceEngine(abc.ABC):
         cache is reset and the engine's weight version becomes `version`.
         Requests in flight finish under the new weights.
         """
+
+    @abc.abstractmethod
+    async def init_weight_sync(
+        self,
+        master_addr: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+    ) -> None:
+        """Join the weight-sync process group (`weight_sync.init_sync_group`); the engine's workers
+        take ranks `rank_offset, rank_offset + 1, ...`. Blocks until every rank joined."""
+
+    @abc.abstractmethod
+    async def check_weight_spec(self, spec: BroadcastSpec) -> None:
+        """Raise `WeightUpdateError` unless a broadcast of `spec` would be a valid update (nothing is received)."""
+
+    @abc.abstractmethod
+    async def receive_weights(self, spec: BroadcastSpec, version: int) -> None:
+        """Receive the groups of `spec` broadcast by rank 0 and load each as it arrives; then the prefix
+        cache is reset and the weight version becomes `version`. Call `check_weight_spec` first: an
+        update rejected here would leave the sender waiting."""
 
     @abc.abstractmethod
     async def reset_prefix_cache(self) -> None:

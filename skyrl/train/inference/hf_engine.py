@@ -27,6 +27,13 @@ from skyrl.train.inference.engine import (
     StopReason,
     validate_prompt,
 )
+from skyrl.train.inference.weight_sync import (
+    BroadcastSpec,
+    init_sync_group,
+    receive_group,
+    sync_device,
+    validate_broadcast_spec,
+)
 from skyrl.train.inference.weights import validate_weight_update, weight_spec_from_model
 
 
@@ -129,6 +136,8 @@ class HFEngine(InferenceEngine):
         self._vocab_size = model.get_input_embeddings().num_embeddings
         self._spec = weight_spec_from_model(model)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
+        self._sync_group = None  # joined by init_weight_sync
+        self._sync_device = self._device
         self._abort = threading.Event()
         self._queue: list[_Request] = []
         self._work: asyncio.Event | None = None
@@ -276,6 +285,36 @@ class HFEngine(InferenceEngine):
         validate_weight_update(named_tensors, self._spec)
         await self._on_thread(self._model.load_state_dict, named_tensors, False)
         self._weight_version = version
+
+    async def init_weight_sync(
+        self,
+        master_addr: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+    ) -> None:
+        self._sync_group = await self._on_thread(
+            init_sync_group, master_addr, master_port, rank_offset, world_size, backend, timeout_s
+        )
+        self._sync_device = sync_device(backend)
+
+    async def check_weight_spec(self, spec: BroadcastSpec) -> None:
+        self._check_serving()
+        if self._sync_group is None:
+            raise RuntimeError("this engine has not joined a weight-sync group; call init_weight_sync first.")
+        validate_broadcast_spec(spec, self._spec)
+
+    async def receive_weights(self, spec: BroadcastSpec, version: int) -> None:
+        await self._on_thread(self._receive, spec)
+        self._weight_version = version
+
+    def _receive(self, spec: BroadcastSpec) -> None:
+        for group in spec:
+            self._model.load_state_dict(
+                dict(receive_group(self._sync_group, group, self._sync_device)), strict=False
+            )
 
     async def reset_prefix_cache(self) -> None:
         """No-op: `generate` keeps no cache across requests."""

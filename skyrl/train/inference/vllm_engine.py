@@ -29,6 +29,13 @@ from skyrl.train.inference.engine import (
     SamplingParams,
     validate_prompt,
 )
+from skyrl.train.inference.weight_sync import (
+    BroadcastSpec,
+    init_sync_group,
+    receive_group,
+    sync_device,
+    validate_broadcast_spec,
+)
 from skyrl.train.inference.weights import checkpoint_weight_spec, validate_weight_update
 
 
@@ -64,6 +71,7 @@ class VLLMEngine(InferenceEngine):
         self._num_served = 0
         self._asleep = False
         self._error: str | None = None
+        self._sync_joined = False
 
     def _create_engine(self, cfg: InferenceEngineConfig):
         from vllm.engine.arg_utils import EngineArgs
@@ -212,6 +220,33 @@ class VLLMEngine(InferenceEngine):
         # reload_weights keeps cached KV blocks; preempting running requests recomputes them too.
         self._engine.reset_prefix_cache(reset_running_requests=True)
 
+    async def init_weight_sync(
+        self,
+        master_addr: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+    ) -> None:
+        args = (master_addr, master_port, rank_offset, world_size, backend, timeout_s)
+        await self._on_thread(partial(self._engine.collective_rpc, _join_sync_group, args=args))
+        self._sync_joined = True
+
+    async def check_weight_spec(self, spec: BroadcastSpec) -> None:
+        self._check_serving()
+        if not self._sync_joined:
+            raise RuntimeError("this engine has not joined a weight-sync group; call init_weight_sync first.")
+        validate_broadcast_spec(spec, self._spec)
+
+    async def receive_weights(self, spec: BroadcastSpec, version: int) -> None:
+        await self._on_thread(self._receive, spec)
+        self._weight_version = version
+
+    def _receive(self, spec: BroadcastSpec) -> None:
+        self._engine.collective_rpc(_receive_weights, args=(spec,))
+        self._engine.reset_prefix_cache(reset_running_requests=True)
+
     async def reset_prefix_cache(self) -> None:
         await self._on_thread(partial(self._engine.reset_prefix_cache, reset_running_requests=True))
 
@@ -251,6 +286,29 @@ class VLLMEngine(InferenceEngine):
         await self._on_thread(self._engine.engine_core.shutdown)
         self._thread.shutdown(wait=False)
         reap_child_processes()
+
+
+def _join_sync_group(
+    worker: Any,
+    master_addr: str,
+    master_port: int,
+    rank_offset: int,
+    world_size: int,
+    backend: str,
+    timeout_s: float,
+) -> None:
+    """Runs on every vLLM worker (tensor-parallel rank r joins as `rank_offset + r`)."""
+    worker.skyrl_sync_group = init_sync_group(
+        master_addr, master_port, rank_offset + worker.rank, world_size, backend, timeout_s
+    )
+    worker.skyrl_sync_device = sync_device(backend)
+
+
+def _receive_weights(worker: Any, spec: BroadcastSpec) -> None:
+    """Runs on every vLLM worker: receive each group and load it (each worker keeps its own shard)."""
+    for group in spec:
+        received = receive_group(worker.skyrl_sync_group, group, worker.skyrl_sync_device)
+        worker.reload_weights(weights_iterator=received)
 
 
 def _cpu_thread_binding(tensor_parallel_size: int) -> dict[str, str]:

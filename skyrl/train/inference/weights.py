@@ -13,6 +13,8 @@ import torch
 
 # Checkpoint weights that vLLM fuses into one parameter (qkv_proj, gate_up_proj).
 FUSED_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# Tied in the checkpoint, but vLLM keeps a separate lm_head: an update of one alone leaves the other stale.
+TIED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 
 WeightSpec = dict[str, tuple[int, ...]]
 
@@ -37,6 +39,8 @@ def checkpoint_weight_spec(model_path: str) -> WeightSpec:
 
 
 def _fused_siblings(name: str) -> list[str]:
+    if name in TIED_NAMES:
+        return list(TIED_NAMES)
     parts = name.split(".")
     for group in FUSED_GROUPS:
         for i, part in enumerate(parts):
@@ -50,7 +54,7 @@ def validate_weight_update(named_tensors: Mapping[str, torch.Tensor], spec: Weig
 
     Rules: at least one tensor; every name is in the model; every shape equals the
     model's; every dtype is floating point; a fused group (q/k/v, gate/up of one
-    layer) is sent whole or not at all.
+    layer) and the tied embedding / lm_head pair are sent whole or not at all.
     """
     if not named_tensors:
         raise WeightUpdateError("the weight update is empty; send the policy's state dict (name -> tensor).")
@@ -69,6 +73,6 @@ def validate_weight_update(named_tensors: Mapping[str, torch.Tensor], spec: Weig
         {s for n in named_tensors for s in _fused_siblings(n) if s in spec and s not in named_tensors}
     )
     if missing:
-        problems.append(f"fused weights must arrive together; missing {missing[:6]}")
+        problems.append(f"fused and tied weights must arrive together; missing {missing[:6]}")
     if problems:
         raise WeightUpdateError("rejected weight update, nothing was loaded: " + "; ".join(problems) + ".")

@@ -42,7 +42,8 @@ def create_placement_group(
     return pg
 
 
-def _free_port() -> tuple[str, int]:
+def node_free_port() -> tuple[str, int]:
+    """This node's IP address and a port that is free on it now."""
     with socket.socket() as s:
         s.bind(("", 0))
         return ray.util.get_node_ip_address(), s.getsockname()[1]
@@ -78,9 +79,12 @@ class ActorGroup:
             ).remote(cfg, rank, num_workers)
             for rank in range(num_workers)
         ]
-        master_addr, master_port = self._get(self.actors[0].__ray_call__.remote(lambda _: _free_port()))
-        self.run("init_process_group", master_addr, master_port)
+        self.run("init_process_group", *self.rank0_free_port())
         self.run("init_model")
+
+    def rank0_free_port(self) -> tuple[str, int]:
+        """An address and a free port on rank 0's node, for a rendezvous hosted by rank 0."""
+        return self._get(self.actors[0].__ray_call__.remote(lambda _: node_free_port()))
 
     def _get(self, refs: Any) -> Any:
         try:

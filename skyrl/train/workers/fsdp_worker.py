@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from skyrl.train.algorithms import (
     entropy_from_logits,
@@ -40,6 +41,7 @@ from skyrl.train.algorithms import (
     reduction_counts,
     value_loss,
 )
+from skyrl.train.inference.weight_sync import BroadcastSpec, broadcast_spec, init_sync_group, send_group
 from skyrl.train.training_batch import TrainingInputBatch
 from skyrl.train.workers.dispatch import partition_rows
 
@@ -89,6 +91,7 @@ class WorkerConfig:
     bf16: bool = True  # bf16 compute with fp32 reduction on GPU; CPU always runs fp32
     cpu_offload: bool = False  # GPU only: keep sharded params and optimizer state on CPU
     seed: int = 42
+    num_threads: int | None = None  # torch CPU threads; None keeps Ray's (OMP_NUM_THREADS = the actor's CPUs)
 
 
 def _lr_lambda(cfg: OptimizerConfig):
@@ -116,6 +119,8 @@ class FSDPWorker:
 
     def __init__(self, cfg: WorkerConfig, rank: int, world_size: int):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         self.device = self.device or torch.device("cpu")
         self.model: torch.nn.Module | None = None
@@ -214,19 +219,41 @@ class FSDPWorker:
         state = get_model_state_dict(self.model, options=options)
         return state if self.rank == 0 else None
 
+    def _param_groups(self) -> list[dict[str, torch.Tensor]]:
+        # the state dict, not named_parameters: a tied lm_head must travel under its own name too
+        groups: dict[str, dict[str, torch.Tensor]] = {}
+        for name, param in self.model.state_dict().items():
+            parts = name.split(".")
+            key = ".".join(parts[:3]) if parts[:2] == ["model", "layers"] else "other"
+            groups.setdefault(key, {})[name] = param
+        return list(groups.values())
+
     def iter_weight_groups(self) -> Iterator[dict[str, torch.Tensor]]:
         """Full weights one decoder layer at a time (then the rest), for streaming to engines.
 
         A layer travels whole, so fused engine weights (q/k/v, gate/up) arrive together.
         Collective: every rank iterates; the tensors are complete on every rank.
         """
-        groups: dict[str, dict[str, torch.Tensor]] = {}
-        for name, param in self.model.named_parameters():
-            parts = name.split(".")
-            key = ".".join(parts[:3]) if parts[:2] == ["model", "layers"] else "other"
-            groups.setdefault(key, {})[name] = param
-        for params in groups.values():
-            yield {name: p.full_tensor().detach() for name, p in params.items()}
+        for params in self._param_groups():
+            yield {name: p.full_tensor() if isinstance(p, DTensor) else p for name, p in params.items()}
+
+    # ---- broadcast weight sync ----
+    def init_weight_sync(
+        self, master_addr: str, master_port: int, world_size: int, backend: str, timeout_s: float
+    ) -> None:
+        """Rank 0 joins the engines' weight-sync group as its sender (rank 0); other ranks do nothing."""
+        if self.rank == 0:
+            self._sync_group = init_sync_group(master_addr, master_port, 0, world_size, backend, timeout_s)
+
+    def weight_broadcast_spec(self) -> BroadcastSpec:
+        """What `broadcast_weights` sends, in order (full shapes; no communication)."""
+        return broadcast_spec(self._param_groups())
+
+    def broadcast_weights(self) -> None:
+        """Collective over the ranks: gather one weight group at a time; rank 0 broadcasts it to the engines."""
+        for group in self.iter_weight_groups():
+            if self.rank == 0:
+                send_group(self._sync_group, group.values())
 
     def save_hf_model(self, path: str) -> None:
         """`save_pretrained` of the full model and its tokenizer to `path`, from rank 0 (collective)."""

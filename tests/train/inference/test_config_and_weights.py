@@ -36,6 +36,8 @@ def test_default_configs_are_valid():
         ({"dtype": "fp8"}, "generator.inference_engine.dtype='fp8'"),
         ({"kv_cache_memory_bytes": -1}, "generator.inference_engine.kv_cache_memory_bytes=-1"),
         ({"backend": "hf", "tensor_parallel_size": 2}, "needs the vllm backend"),
+        ({"weight_sync": "nccl"}, "generator.inference_engine.weight_sync='nccl' is not one of"),
+        ({"weight_sync_timeout_s": 0}, "generator.inference_engine.weight_sync_timeout_s=0 must be"),
     ],
 )
 def test_invalid_engine_config_names_the_key_and_value(change, message):
@@ -109,6 +111,15 @@ def test_full_and_group_complete_partial_updates_are_accepted():
 def test_bad_weight_update_is_rejected_with_every_problem_named(update, message):
     with pytest.raises(WeightUpdateError, match=re.escape(message)):
         validate_weight_update(update, SPEC)
+
+
+def test_tied_embedding_and_lm_head_must_arrive_together():
+    """vLLM holds lm_head apart from the embedding of a tied checkpoint: updating one alone leaves the other stale."""
+    spec = {**SPEC, "model.embed_tokens.weight": (16, 4), "lm_head.weight": (16, 4)}
+    embedding = {"model.embed_tokens.weight": torch.zeros(16, 4)}
+    with pytest.raises(WeightUpdateError, match=re.escape("missing ['lm_head.weight']")):
+        validate_weight_update({**full_update(), **embedding}, spec)
+    validate_weight_update({**full_update(), **embedding, "lm_head.weight": torch.zeros(16, 4)}, spec)
 
 
 def test_checkpoint_spec_covers_every_state_dict_name(tiny_model_path, reference_model):

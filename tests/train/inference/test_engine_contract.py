@@ -4,9 +4,12 @@ import asyncio
 import re
 
 import pytest
+import ray
 import torch
 
 from skyrl.train.inference import SamplingParams, WeightUpdateError
+from skyrl.train.inference.weight_sync import broadcast_spec, init_sync_group, send_group
+from skyrl.train.workers.actor_group import node_free_port
 
 from .conftest import perturbed_copy, reference_logprobs, start_client
 
@@ -133,6 +136,71 @@ def test_update_weights_while_a_request_runs_lets_it_finish(client, reference_mo
     out, in_flight = asyncio.run(run())
     assert out.stop_reason in ("length", "stop") and 1 <= len(out.response_ids) <= 400
     assert in_flight == 0
+
+
+@ray.remote
+class BroadcastSender:
+    """Rank 0 of a weight-sync group, sending a model's weights one decoder layer at a time."""
+
+    def join(self, addr: str, port: int, world_size: int) -> None:
+        self.group = init_sync_group(addr, port, 0, world_size, "gloo", timeout_s=60)
+
+    def send(self, groups: list[dict[str, torch.Tensor]]) -> None:
+        for group in groups:
+            send_group(self.group, group.values())
+
+
+def layer_groups(model) -> list[dict[str, torch.Tensor]]:
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in model.state_dict().items():
+        parts = name.split(".")
+        groups.setdefault(".".join(parts[:3]) if parts[1] == "layers" else "other", {})[name] = tensor
+    return list(groups.values())
+
+
+@pytest.fixture(scope="module")
+def sender(client):
+    sender = BroadcastSender.remote()
+    addr, port = ray.get(sender.__ray_call__.remote(lambda _: node_free_port()))
+    asyncio.run(
+        client.init_weight_sync(
+            addr, port, "gloo", 60, lambda: sender.join.remote(addr, port, client.weight_sync_world_size)
+        )
+    )
+    yield sender
+    ray.kill(sender)
+
+
+def test_broadcast_weights_switch_to_the_perturbed_model_group_by_group(client, sender, reference_model):
+    perturbed = perturbed_copy(reference_model, seed=3)
+    prompt = [(5 * i) % 500 + 3 for i in range(300)]  # whole KV blocks: a stale prefix cache would show
+    params = SamplingParams(temperature=0.9, max_tokens=8, seed=5)
+    generate(client, prompt, params)
+    try:
+        groups = layer_groups(perturbed)
+        version = client.weight_version + 1
+        asyncio.run(
+            client.broadcast_weights(broadcast_spec(groups), version, lambda: sender.send.remote(groups))
+        )
+        assert client.weight_version == version
+        after = generate(client, prompt, params)
+        assert after.weight_version == version
+        assert_logprobs_match(perturbed, prompt, after, 0.9)
+    finally:
+        asyncio.run(client.update_weights(reference_model.state_dict(), client.weight_version + 1))
+
+
+def test_bad_broadcast_spec_is_rejected_before_anything_is_sent(client, sender, reference_model):
+    groups = layer_groups(reference_model)
+    spec = broadcast_spec(groups)
+    spec[1] = [(name, dtype, (3, 3)) for name, dtype, _ in spec[1]]
+    version = client.weight_version
+    sent = []
+    with pytest.raises(WeightUpdateError, match=re.escape("has shape (3, 3)")):
+        asyncio.run(client.broadcast_weights(spec, version + 1, lambda: sent.append(1)))
+    assert not sent and client.weight_version == version
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=2)
+    assert_logprobs_match(reference_model, PROMPTS[0], generate(client, PROMPTS[0], params), 1.0)
 
 
 @pytest.mark.parametrize(

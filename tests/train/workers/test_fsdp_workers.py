@@ -12,6 +12,7 @@ from scripts.check_dp_equivalence import (
     train_two_steps,
 )
 from skyrl.train.dataset.preprocess import compute_prompt_mini_batch_boundaries
+from skyrl.train.inference.weight_sync import broadcast_spec
 from skyrl.train.workers.actor_group import ActorGroup, create_placement_group, latest_checkpoint
 from skyrl.train.workers.dispatch import MeshDispatch
 from skyrl.train.workers.fsdp_worker import (
@@ -176,9 +177,10 @@ def test_weight_groups_stream_whole_layers_and_cover_every_parameter(policy_dp2)
     assert {"model.layers.0.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight"} <= set(layer0)
     merged = {k: v for g in groups for k, v in g.items()}
     state = policy_dp2.full_state_dict()
-    assert set(merged) == {k for k in state if k != "lm_head.weight"}  # tied to the embeddings
+    assert set(merged) == set(state)  # the tied lm_head too: vLLM keeps it apart from the embeddings
     for name, tensor in merged.items():
         torch.testing.assert_close(tensor, state[name])
+    assert policy_dp2.run("weight_broadcast_spec")[0] == broadcast_spec(groups)  # what a broadcast sends
 
 
 def test_reference_worker_gives_the_policy_logprobs_at_init(ray_cluster, policy_dp2, tiny_model_path):

@@ -1,0 +1,84 @@
+"""Weight sync by collective broadcast: policy rank 0 sends, every engine worker receives.
+
+One process group, outside the trainer's own, joins the policy's rank 0 (rank 0)
+with the workers of every engine (ranks 1..): NCCL between GPUs, gloo on CPU,
+the same code. Weights travel one group at a time (a decoder layer, then the
+rest), so fused engine weights (q/k/v, gate/up) arrive together and an engine
+never holds more than one extra layer. The driver sends the `WeightSpec` (names,
+dtypes, shapes, in sending order) first; engines check it against their model,
+and only then does the broadcast start, so a bad update changes nothing.
+
+NCCL cannot join two ranks on one GPU: colocated GPU runs use the object store.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from skyrl.train.inference.weights import WeightSpec, validate_weight_update
+
+# Per group, per tensor in sending order: (name, dtype name, shape).
+BroadcastSpec = list[list[tuple[str, str, tuple[int, ...]]]]
+BACKENDS = ("gloo", "nccl")
+
+
+def broadcast_spec(groups: Iterable[Mapping[str, torch.Tensor]]) -> BroadcastSpec:
+    """The spec of weight groups (tensors or meta tensors) in the order they will be sent."""
+    return [
+        [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in group.items()]
+        for group in groups
+    ]
+
+
+def validate_broadcast_spec(spec: BroadcastSpec, model_spec: WeightSpec) -> None:
+    """`WeightUpdateError` unless every group of `spec` is a valid update of the model (see `validate_weight_update`)."""
+    for group in spec:
+        validate_weight_update(
+            {
+                name: torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+                for name, dtype, shape in group
+            },
+            model_spec,
+        )
+
+
+def init_sync_group(
+    master_addr: str, master_port: int, rank: int, world_size: int, backend: str, timeout_s: float
+) -> dist.ProcessGroup:
+    """Join the weight-sync group as `rank` (rank 0 hosts the rendezvous store); blocks until all ranks joined."""
+    if backend not in BACKENDS:
+        raise ValueError(f"weight sync backend {backend!r} is not one of {list(BACKENDS)}")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, world_size, options)
+
+
+def send_group(group: dist.ProcessGroup, tensors: Iterable[torch.Tensor]) -> None:
+    """Broadcast `tensors` from rank 0, in order."""
+    for tensor in tensors:
+        group.broadcast(tensor.contiguous(), 0).wait()
+
+
+def receive_group(
+    group: dist.ProcessGroup, spec: Sequence[tuple[str, str, tuple[int, ...]]], device: torch.device
+) -> list[tuple[str, torch.Tensor]]:
+    """Receive one weight group broadcast by rank 0, as (name, tensor) pairs on `device`."""
+    received = []
+    for name, dtype, shape in spec:
+        tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+        group.broadcast(tensor, 0).wait()
+        received.append((name, tensor))
+    return received
+
+
+def sync_device(backend: str) -> torch.device:
+    """Where received tensors live: the current GPU for NCCL, the CPU for gloo."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
