@@ -78,10 +78,12 @@ def test_ppo_trains_a_critic(ray_cluster, tiny_model_path, tmp_path):
 
 
 def test_broadcast_weight_sync_keeps_engines_on_the_policy_weights(ray_cluster, tiny_model_path, tmp_path):
-    """Two policy ranks and the engine in a gloo broadcast group (the NCCL path on GPU): after every
-    update the engine samples with the policy's weights, so rollout and trainer logprobs agree."""
+    """Two policy ranks and the engine in a gloo broadcast group (the NCCL path of a disaggregated GPU
+    run): after every update the engine samples with the policy's weights, so rollout and trainer
+    logprobs agree."""
     overrides = [
         *SMALL,
+        "placement=disaggregated",
         "trainer.total_steps=3",
         "trainer.placement.policy_num_gpus_per_node=2",
         "generator.inference_engine.weight_sync=broadcast",

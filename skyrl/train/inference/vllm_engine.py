@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import glob
 import itertools
+import logging
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +56,7 @@ class VLLMEngine(InferenceEngine):
             and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
         ):
             os.environ.update(_cpu_thread_binding(cfg.tensor_parallel_size))
+        _quiet_partial_reload_warnings()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-engine")
         self._engine = self._thread.submit(self._create_engine, cfg).result()
         model_config = self._engine.model_config
@@ -286,6 +288,15 @@ class VLLMEngine(InferenceEngine):
         await self._on_thread(self._engine.engine_core.shutdown)
         self._thread.shutdown(wait=False)
         reap_child_processes()
+
+
+def _quiet_partial_reload_warnings() -> None:
+    """vLLM warns "<Layer>: Failed to load weights" for every layer an update leaves out (the rotary
+    embedding always, other layers in a group-by-group broadcast) and keeps those layers' weights,
+    which is what a validated partial update means; drop that one message."""
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+        lambda record: not record.getMessage().endswith("Failed to load weights")
+    )
 
 
 def _join_sync_group(
