@@ -8,6 +8,7 @@ metrics.jsonl, TensorBoard logs, checkpoints, exported models, reward plot.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -63,12 +64,26 @@ def train(cfg: SkyRLConfig, run_dir: Path) -> list[dict[str, float]]:
 @hydra.main(version_base=None, config_path=str(CONFIG_DIR), config_name="config")
 def main(dict_cfg: DictConfig) -> None:
     cfg: SkyRLConfig = OmegaConf.to_object(dict_cfg)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         validate_config(cfg)
     except ConfigError as e:
+        _remove_unused_run_dir(run_dir)
         sys.exit(f"config error: {e}")
     start_ray(cfg)
-    train(cfg, Path(HydraConfig.get().runtime.output_dir))
+    train(cfg, run_dir)
+
+
+def _remove_unused_run_dir(run_dir: Path) -> None:
+    """Delete the run directory Hydra made for a run that never started (it holds only `.hydra` and its log),
+    and the directories above it that this leaves empty (`outputs/DATE`), up to the working directory."""
+    if {p.name for p in run_dir.iterdir()} - {".hydra", "__main__.log"}:
+        return
+    shutil.rmtree(run_dir)
+    for parent in run_dir.parents:
+        if parent == Path.cwd() or any(parent.iterdir()):
+            break
+        parent.rmdir()
 
 
 if __name__ == "__main__":

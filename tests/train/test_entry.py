@@ -120,16 +120,18 @@ def test_each_bad_config_gets_one_readable_error(overrides, message):
         compose_config(overrides)
 
 
-def test_cli_prints_the_error_without_a_traceback():
+def test_cli_prints_the_error_without_a_traceback_and_leaves_no_run_directory(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "skyrl.train", "trainer.policy_mini_batch_size=5"],
         capture_output=True,
         text=True,
         check=False,
+        cwd=tmp_path,
     )
     assert result.returncode == 1
     assert result.stderr.strip().startswith("config error: trainer.train_batch_size=16 is not divisible")
     assert "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_cli_prints_the_resolved_config():
