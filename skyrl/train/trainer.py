@@ -16,7 +16,7 @@ import random
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -109,19 +109,7 @@ class Trainer:
     # ---- construction ----
     def _worker_config(self, path: str, optimizer=None, offload: bool = False) -> WorkerConfig:
         t, a = self.cfg.trainer, self.cfg.trainer.algorithm
-        loss = LossConfig(
-            policy_loss=a.policy_loss,
-            loss_reduction=a.loss_reduction,
-            max_seq_len=a.max_seq_len,
-            eps_clip_low=a.eps_clip_low,
-            eps_clip_high=a.eps_clip_high,
-            clip_ratio_c=a.clip_ratio_c,
-            use_kl_loss=a.use_kl_loss,
-            kl_loss_coef=a.kl_loss_coef,
-            kl_estimator=a.kl_estimator,
-            entropy_coeff=a.entropy_coeff,
-            value_clip=a.value_clip,
-        )
+        loss = LossConfig(**{f.name: getattr(a, f.name) for f in fields(LossConfig)})  # same keys
         kwargs = {"optimizer": optimizer} if optimizer is not None else {}
         return WorkerConfig(
             model_path=path,

@@ -64,6 +64,8 @@ class OptimizerConfig:
 
 @dataclass
 class LossConfig:
+    """Loss settings of a trainable worker; every field is also a key of `trainer.algorithm` (same name)."""
+
     policy_loss: str = "regular"
     loss_reduction: str = "token_mean"
     max_seq_len: int | None = None  # seq_mean_token_sum_norm's fixed length
