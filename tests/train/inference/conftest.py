@@ -1,11 +1,15 @@
 """Helpers for engine tests: an HF reference model and its logprobs under a sampling setting."""
 
+import asyncio
 from copy import deepcopy
 
 import pytest
+import ray
 import torch
 
 from skyrl.train.inference import InferenceEngineClient, InferenceEngineConfig
+from skyrl.train.inference.weight_sync import init_sync_group, send_group
+from skyrl.train.workers.actor_group import node_free_port
 
 # Small vLLM KV cache: the tiny model needs little and every engine allocates it up front.
 TEST_KV_CACHE_BYTES = 64 << 20
@@ -55,3 +59,35 @@ def reference_logprobs(
             kth = logits.topk(top_k, dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
     return logits.log_softmax(-1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+@ray.remote
+class BroadcastSender:
+    """Rank 0 of a weight-sync group, sending a model's weights one decoder layer at a time."""
+
+    def join(self, addr: str, port: int, world_size: int) -> None:
+        self.group = init_sync_group(addr, port, 0, world_size, "gloo", timeout_s=60)
+
+    def send(self, groups: list[dict[str, torch.Tensor]]) -> None:
+        for group in groups:
+            send_group(self.group, group.values())
+
+
+def layer_groups(model) -> list[dict[str, torch.Tensor]]:
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in model.state_dict().items():
+        parts = name.split(".")
+        groups.setdefault(".".join(parts[:3]) if parts[1] == "layers" else "other", {})[name] = tensor
+    return list(groups.values())
+
+
+def join_broadcast_sender(client: InferenceEngineClient):
+    """A `BroadcastSender` joined with every engine of `client` in a gloo weight-sync group."""
+    sender = BroadcastSender.remote()
+    addr, port = ray.get(sender.__ray_call__.remote(lambda _: node_free_port()))
+    asyncio.run(
+        client.init_weight_sync(
+            addr, port, "gloo", 60, lambda: sender.join.remote(addr, port, client.weight_sync_world_size)
+        )
+    )
+    return sender

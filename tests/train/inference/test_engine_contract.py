@@ -8,10 +8,9 @@ import ray
 import torch
 
 from skyrl.train.inference import SamplingParams, WeightUpdateError
-from skyrl.train.inference.weight_sync import broadcast_spec, init_sync_group, send_group
-from skyrl.train.workers.actor_group import node_free_port
+from skyrl.train.inference.weight_sync import broadcast_spec
 
-from .conftest import perturbed_copy, reference_logprobs, start_client
+from .conftest import join_broadcast_sender, layer_groups, perturbed_copy, reference_logprobs, start_client
 
 # Greedy decoding of the seed-0 tiny model repeats the last prompt token and never emits eos.
 LOOP_PROMPT = [1, 20, 21]
@@ -138,35 +137,9 @@ def test_update_weights_while_a_request_runs_lets_it_finish(client, reference_mo
     assert in_flight == 0
 
 
-@ray.remote
-class BroadcastSender:
-    """Rank 0 of a weight-sync group, sending a model's weights one decoder layer at a time."""
-
-    def join(self, addr: str, port: int, world_size: int) -> None:
-        self.group = init_sync_group(addr, port, 0, world_size, "gloo", timeout_s=60)
-
-    def send(self, groups: list[dict[str, torch.Tensor]]) -> None:
-        for group in groups:
-            send_group(self.group, group.values())
-
-
-def layer_groups(model) -> list[dict[str, torch.Tensor]]:
-    groups: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in model.state_dict().items():
-        parts = name.split(".")
-        groups.setdefault(".".join(parts[:3]) if parts[1] == "layers" else "other", {})[name] = tensor
-    return list(groups.values())
-
-
 @pytest.fixture(scope="module")
 def sender(client):
-    sender = BroadcastSender.remote()
-    addr, port = ray.get(sender.__ray_call__.remote(lambda _: node_free_port()))
-    asyncio.run(
-        client.init_weight_sync(
-            addr, port, "gloo", 60, lambda: sender.join.remote(addr, port, client.weight_sync_world_size)
-        )
-    )
+    sender = join_broadcast_sender(client)
     yield sender
     ray.kill(sender)
 
