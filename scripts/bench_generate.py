@@ -5,12 +5,17 @@
 2. hf: `InferenceEngineClient` over one hf engine actor, against a bare
    `model.generate` on the same batch.
 
-Same model, prompts and sampling (temperature 1, logprobs of the sampled tokens
-on both sides) for each pair. Prints generated tokens/s (median of `--repeats`
-timed runs after one warm-up) and the ratio ours / bare (target >= 0.9).
+Same model, prompts and sampling for each pair: temperature 1, logprobs of the
+sampled tokens on both sides, and on the hf pair seed 0 on both sides (the engine
+seeds its batch with the first request's seed), so both sample the same tokens.
+Both sides are warmed up, then their timed runs alternate (ours, bare, bare,
+ours, ...) so a change in machine load hits both alike. Prints generated tokens/s
+(median of `--repeats` timed runs per side) and the ratio of the medians
+ours / bare (target >= 0.9); `--verbose` also prints every run.
 
 Usage: python scripts/bench_generate.py [--backends vllm,hf] [--prompts 64] [--prompt-len 32]
-       [--max-tokens 128] [--repeats 3] [--threads 1] [--model PATH] [--hidden-size 64 --layers 2]
+       [--max-tokens 128] [--repeats 5] [--threads 1] [--model PATH] [--hidden-size 64 --layers 2]
+       [--hf-batch-wait-s 0.005] [--verbose]
 """
 
 from __future__ import annotations
@@ -31,14 +36,18 @@ from skyrl.train.utils.tiny_model import create_tiny_model
 KV_CACHE_BYTES = 256 << 20
 
 
-def median_tokens_per_s(run, repeats: int) -> float:
-    run()  # warm-up
-    rates = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        tokens = run()
-        rates.append(tokens / (time.perf_counter() - start))
-    return statistics.median(rates)
+def interleaved_tokens_per_s(ours_run, bare_run, repeats: int) -> tuple[list[float], list[float]]:
+    """Tokens/s of each timed run of each side; the runs alternate sides (and which goes first) after a
+    warm-up of each, so a change in machine load hits both sides alike."""
+    ours_run()
+    bare_run()
+    rates: dict[object, list[float]] = {ours_run: [], bare_run: []}
+    for i in range(repeats):
+        for run in (ours_run, bare_run) if i % 2 == 0 else (bare_run, ours_run):
+            start = time.perf_counter()
+            tokens = run()
+            rates[run].append(tokens / (time.perf_counter() - start))
+    return rates[ours_run], rates[bare_run]
 
 
 def ours(client: InferenceEngineClient, prompts: list[list[int]], max_tokens: int):
@@ -101,6 +110,7 @@ def bare_hf(model_path: str, prompts: list[list[int]], max_tokens: int):
 
     @torch.inference_mode()
     def run() -> int:
+        torch.manual_seed(0)  # as the engine seeds its batch with the first request's seed (0)
         out = model.generate(
             input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config
         )
@@ -124,13 +134,20 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--model", default=None, help="model directory (default: a tiny Qwen2 built locally)")
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument(
         "--threads", type=int, default=1, help="CPU threads for each side (engine actor and bare)"
     )
+    parser.add_argument(
+        "--hf-batch-wait-s",
+        type=float,
+        default=InferenceEngineConfig.hf_batch_wait_s,
+        help="the hf engine's batching window (default: the config default)",
+    )
+    parser.add_argument("--verbose", action="store_true", help="also print the rate of every timed run")
     args = parser.parse_args()
 
     threads = args.threads
@@ -157,18 +174,25 @@ def main() -> None:
             kv_cache_memory_bytes=KV_CACHE_BYTES,
             num_cpus_per_engine=threads,
             max_num_seqs=max(256, args.prompts),
+            hf_batch_wait_s=args.hf_batch_wait_s,
         )
         client = InferenceEngineClient.from_config(cfg, model_path)
-        ours_rate = median_tokens_per_s(ours(client, prompts, args.max_tokens), args.repeats)
-        client.shutdown()
         if backend == "vllm":
-            bare_rate = median_tokens_per_s(
-                bare_vllm(model_path, prompts, args.max_tokens, threads), args.repeats
-            )
+            bare_run = bare_vllm(model_path, prompts, args.max_tokens, threads)
             bare_name = "vllm.LLM.generate"
         else:
-            bare_rate = median_tokens_per_s(bare_hf(model_path, prompts, args.max_tokens), args.repeats)
+            bare_run = bare_hf(model_path, prompts, args.max_tokens)
             bare_name = "model.generate"
+        ours_rates, bare_rates = interleaved_tokens_per_s(
+            ours(client, prompts, args.max_tokens), bare_run, args.repeats
+        )
+        client.shutdown()
+        del bare_run
+        if args.verbose:
+            print(
+                f"{backend:5s} runs, tok/s: ours {[round(r) for r in ours_rates]} bare {[round(r) for r in bare_rates]}"
+            )
+        ours_rate, bare_rate = statistics.median(ours_rates), statistics.median(bare_rates)
         print(
             f"{backend:5s} actor+client {ours_rate:9.1f} tok/s | bare {bare_name} {bare_rate:9.1f} tok/s | "
             f"ratio {ours_rate / bare_rate:.3f}"

@@ -2,8 +2,8 @@
 
 Requests that arrive together are batched (left-padded); requests with equal
 sampling settings share a `generate` call, each keeping its own `max_tokens`,
-stop tokens and stop strings. The temperature / top-k / top-p warpers are passed
-as our own logits processors so the processed scores, the distribution that is
+stop tokens and stop strings. The temperature / top-k / top-p warpers run inside
+our own logits processor so the processed scores, the distribution that is
 sampled, are what the logprobs are taken from. One thread owns the model, so a
 weight update waits for the running batch.
 """
@@ -50,58 +50,86 @@ _STOP, _LENGTH, _ABORT = 1, 2, 3
 _REASONS: dict[int, StopReason] = {_STOP: "stop", _LENGTH: "length", _ABORT: "abort"}
 
 
+class _Processor:
+    """The one logits processor: allowed tokens, then temperature / top-k / top-p, keeping the result.
+
+    Its output is the distribution `generate` samples from, so the kept `scores` are what the
+    logprobs are taken from. A single object, not a list of warpers: transformers inspects the
+    signature of every logits processor at every step.
+    """
+
+    def __init__(self, warpers: list, keep: bool):
+        self.warpers = warpers
+        self.keep = keep
+        self.scores: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for warper in self.warpers:
+            scores = warper(input_ids, scores)
+        if self.keep:
+            self.scores = scores
+        return scores
+
+
 class _RowTracker:
     """Per-row bookkeeping inside one `generate` call: stop conditions and sampled-token logprobs.
 
-    Called as a stopping criterion after each new token; `record` is the last logits
-    processor and keeps the log-softmax of the scores the token was sampled from.
+    Called as a stopping criterion after each new token. The per-step work stays on the model's
+    device (no host sync) unless stop strings need the text of the newest tokens.
     """
 
-    def __init__(self, prompt_lens, max_tokens, max_model_len, stop_ids, stop, tokenizer, abort, logprobs):
+    def __init__(
+        self, prompt_lens, max_tokens, max_model_len, stop_ids, stop, tokenizer, abort, processor, device
+    ):
         self.limit = torch.tensor(
-            [min(m, max_model_len - p) for p, m in zip(prompt_lens, max_tokens, strict=True)]
+            [min(m, max_model_len - p) for p, m in zip(prompt_lens, max_tokens, strict=True)], device=device
         )
-        self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long)
+        self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
         self.stop = stop
         self.stop_tail = (
             max((len(s.encode()) for s in stop), default=0) + 1
         )  # tokens that can hold a stop string
         self.tokenizer = tokenizer
         self.abort = abort
-        self.want_logprobs = logprobs
-        self.num_tokens = torch.zeros(len(prompt_lens), dtype=torch.long)
-        self.code = torch.zeros(len(prompt_lens), dtype=torch.long)
+        self.processor = processor  # holds the processed scores when logprobs are wanted, else None
+        self.num_tokens = torch.zeros(len(prompt_lens), dtype=torch.long, device=device)
+        self.code = torch.zeros(len(prompt_lens), dtype=torch.long, device=device)
         self.step_logprobs: list[torch.Tensor] = []
-        self._last_logprobs: torch.Tensor | None = None
 
-    def record(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self.want_logprobs:
-            self._last_logprobs = scores.log_softmax(dim=-1)
-        return scores
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
-        new = input_ids[:, -1:]
-        if self._last_logprobs is not None:
-            self.step_logprobs.append(self._last_logprobs.gather(-1, new)[:, 0].float().cpu())
-        new = new[:, 0].cpu()
+    def __call__(self, input_ids: torch.Tensor, scores=None, **kwargs) -> torch.Tensor:
+        new = input_ids[:, -1]
+        if self.processor is not None:
+            processed = self.processor.scores
+            self.step_logprobs.append(processed.gather(-1, new[:, None])[:, 0] - processed.logsumexp(-1))
         running = self.code == 0
         self.num_tokens += running
         if self.abort.is_set():
-            self.code[running] = _ABORT
+            self.code.masked_fill_(running, _ABORT)
         else:
-            stopped = running & torch.isin(new, self.stop_ids)
+            stopped = torch.isin(new, self.stop_ids)
             if self.stop:
-                for row in (running & ~stopped).nonzero()[:, 0].tolist():
-                    tail = input_ids[row, -min(int(self.num_tokens[row]), self.stop_tail) :].tolist()
-                    text = self.tokenizer.decode(tail, skip_special_tokens=True)
-                    stopped[row] = any(s in text for s in self.stop)
-            self.code[stopped] = _STOP
-            self.code[running & ~stopped & (self.num_tokens >= self.limit)] = _LENGTH
-        return (self.code != 0).to(input_ids.device)
+                stopped |= self._stop_strings(input_ids, running & ~stopped)
+            ended = torch.where(stopped, _STOP, (self.num_tokens >= self.limit) * _LENGTH)
+            self.code += running * ended
+        return self.code != 0
 
-    def reason(self, row: int) -> StopReason:
-        """The row's stop reason; a row still running when `generate` returned reached `max_new_tokens`."""
-        return _REASONS.get(int(self.code[row]), "length")
+    def _stop_strings(self, input_ids: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """Rows among `candidates` whose newest tokens' text holds a stop string."""
+        rows = candidates.nonzero()[:, 0].tolist()
+        tails = input_ids[rows, -self.stop_tail :].tolist()
+        hits = []
+        for row, tail, n in zip(rows, tails, self.num_tokens[rows].tolist(), strict=True):
+            text = self.tokenizer.decode(tail[-min(n, self.stop_tail) :], skip_special_tokens=True)
+            if any(s in text for s in self.stop):
+                hits.append(row)
+        found = torch.zeros_like(candidates)
+        found[hits] = True
+        return found
+
+    def results(self) -> tuple[list[int], list[int], list[list[float]] | None]:
+        """Per row: the stop code, the number of response tokens and (if kept) the step logprobs."""
+        logprobs = torch.stack(self.step_logprobs, 1).tolist() if self.step_logprobs else None
+        return self.code.tolist(), self.num_tokens.tolist(), logprobs
 
 
 class HFEngine(InferenceEngine):
@@ -226,6 +254,16 @@ class HFEngine(InferenceEngine):
         input_ids = torch.tensor([[self._pad_id] * (width - len(r.prompt)) + r.prompt for r in group])
         attention_mask = torch.tensor([[0] * (width - n) + [1] * n for n in prompt_lens])
         max_tokens = [r.params.max_tokens for r in group]
+        greedy = params.temperature == 0
+        warpers = [_AllowedTokens(params.allowed_token_ids)] if params.allowed_token_ids else []
+        if not greedy:
+            if params.temperature != 1.0:
+                warpers.append(TemperatureLogitsWarper(params.temperature))
+            if params.top_k is not None:
+                warpers.append(TopKLogitsWarper(params.top_k))
+            if params.top_p < 1.0:
+                warpers.append(TopPLogitsWarper(params.top_p))
+        processor = _Processor(warpers, keep=params.logprobs) if warpers or params.logprobs else None
         tracker = _RowTracker(
             prompt_lens,
             max_tokens,
@@ -234,16 +272,9 @@ class HFEngine(InferenceEngine):
             params.stop,
             self._tokenizer,
             self._abort,
-            params.logprobs,
+            processor if params.logprobs else None,
+            self._device,
         )
-        greedy = params.temperature == 0
-        warpers = [_AllowedTokens(params.allowed_token_ids)] if params.allowed_token_ids else []
-        if not greedy:
-            warpers.append(TemperatureLogitsWarper(params.temperature))
-            if params.top_k is not None:
-                warpers.append(TopKLogitsWarper(params.top_k))
-            if params.top_p < 1.0:
-                warpers.append(TopPLogitsWarper(params.top_p))
         max_new_tokens = min(max(max_tokens), self._max_model_len - min(prompt_lens))
         if greedy:
             generation_config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens)
@@ -259,22 +290,21 @@ class HFEngine(InferenceEngine):
             input_ids=input_ids.to(self._device),
             attention_mask=attention_mask.to(self._device),
             generation_config=generation_config,
-            logits_processor=LogitsProcessorList([*warpers, tracker.record]),
+            logits_processor=LogitsProcessorList([processor] if processor else []),
             stopping_criteria=StoppingCriteriaList([tracker]),
         )
-        responses = sequences[:, width:].cpu()
-        logprobs = torch.stack(tracker.step_logprobs, dim=1) if tracker.step_logprobs else None
+        responses = sequences[:, width:].tolist()
+        codes, lengths, logprobs = tracker.results()
         outputs = []
         for row, request in enumerate(group):
-            reason = tracker.reason(row)
+            # A row still running when `generate` returned reached `max_new_tokens`.
+            reason = _REASONS.get(codes[row], "length")
             if reason == "abort":
                 outputs.append(GenerationOutput([], None, "abort", request.weight_version))
                 continue
-            n = int(tracker.num_tokens[row])
-            row_logprobs = logprobs[row, :n].tolist() if logprobs is not None else None
-            outputs.append(
-                GenerationOutput(responses[row, :n].tolist(), row_logprobs, reason, request.weight_version)
-            )
+            n = lengths[row]
+            row_logprobs = logprobs[row][:n] if logprobs is not None else None
+            outputs.append(GenerationOutput(responses[row][:n], row_logprobs, reason, request.weight_version))
         return outputs
 
     async def _on_thread(self, fn, *args):
@@ -366,8 +396,10 @@ class _AllowedTokens:
 
     def __init__(self, allowed: tuple[int, ...]):
         self.allowed = list(allowed)
+        self.outside: torch.Tensor | None = None  # built at the first step, on the scores' device
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        masked = torch.full_like(scores, float("-inf"))
-        masked[:, self.allowed] = scores[:, self.allowed]
-        return masked
+        if self.outside is None:
+            self.outside = torch.ones(scores.shape[-1], dtype=torch.bool, device=scores.device)
+            self.outside[self.allowed] = False
+        return scores.masked_fill(self.outside, float("-inf"))
