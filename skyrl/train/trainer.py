@@ -400,7 +400,7 @@ class Trainer:
         object store); bumps the weight version."""
         self.weight_version += 1
         if not self.broadcast_sync:
-            asyncio.run(self.client.update_weights(self.policy.full_state_dict(), self.weight_version))
+            asyncio.run(self.client.update_weights(self.policy.full_state_dict_ref(), self.weight_version))
             return
         spec = self.policy.run("weight_broadcast_spec")[0]
 

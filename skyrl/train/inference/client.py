@@ -209,13 +209,18 @@ class InferenceEngineClient:
                 f"weight version {version} must be greater than the current {self._weight_version}."
             )
 
-    async def update_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
-        """Push weights to every engine: put once in the object store, each engine fetches, validates,
-        loads and resets its prefix cache. `version` must exceed `weight_version`, which becomes
-        `version` once all engines accepted. A bad update raises `WeightUpdateError` from the engines
-        and changes nothing."""
+    async def update_weights(
+        self, named_tensors: Mapping[str, torch.Tensor] | ray.ObjectRef, version: int
+    ) -> None:
+        """Push weights to every engine: put once in the object store (or pass a ref to CPU tensors
+        already there), each engine fetches, validates, loads and resets its prefix cache. `version`
+        must exceed `weight_version`, which becomes `version` once all engines accepted. A bad update
+        raises `WeightUpdateError` from the engines and changes nothing."""
         self._check_version(version)
-        ref = ray.put({name: t.detach().cpu() for name, t in named_tensors.items()})
+        if isinstance(named_tensors, ray.ObjectRef):
+            ref = named_tensors
+        else:
+            ref = ray.put({name: t.detach().cpu() for name, t in named_tensors.items()})
         await self._call_all("update_weights", ref, version)
         self._weight_version = version
         self._latest_weights = ref

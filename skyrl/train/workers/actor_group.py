@@ -143,6 +143,15 @@ class ActorGroup:
     def full_state_dict(self) -> dict:
         return self.run("full_state_dict")[0]
 
+    def full_state_dict_ref(self) -> ray.ObjectRef:
+        """Rank 0's full state dict, left in the object store (engines fetch it without a driver copy)."""
+        refs = [actor.full_state_dict.remote() for actor in self.actors]
+        self._get(refs[1:])  # a collective: every rank must finish
+        ready, _ = ray.wait(refs[:1], timeout=self.timeout_s, fetch_local=False)
+        if not ready:
+            self._get(refs[:1])  # raises the timeout error with the free resources named
+        return refs[0]
+
     def kill(self) -> None:
         for actor in self.actors:
             ray.kill(actor)

@@ -181,6 +181,10 @@ def test_weight_groups_stream_whole_layers_and_cover_every_parameter(policy_dp2)
     for name, tensor in merged.items():
         torch.testing.assert_close(tensor, state[name])
     assert policy_dp2.run("weight_broadcast_spec")[0] == broadcast_spec(groups)  # what a broadcast sends
+    from_store = ray.get(policy_dp2.full_state_dict_ref())  # what the object-store sync sends
+    assert set(from_store) == set(state)
+    for name, tensor in from_store.items():
+        torch.testing.assert_close(tensor, state[name])
 
 
 def test_reference_worker_gives_the_policy_logprobs_at_init(ray_cluster, policy_dp2, tiny_model_path):
