@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from skyrl.train.inference import InferenceEngineClient, InferenceEngineConfig
+from skyrl.train.inference.weight_sync import WeightSyncGroup
 from skyrl.train.utils.tiny_model import create_tiny_model
 from skyrl.train.workers.actor_group import ActorGroup, create_placement_group, node_free_port
 from skyrl.train.workers.fsdp_worker import PolicyWorker, WorkerConfig
@@ -114,15 +115,12 @@ def main() -> None:
     def object_store() -> None:
         asyncio.run(client.update_weights(policy.full_state_dict_ref(), next(version)))
 
-    addr, port = policy.rank0_free_port()
-    world = client.weight_sync_world_size
+    group = WeightSyncGroup(*policy.rank0_free_port(), client.weight_sync_world_size, "gloo", timeout_s=120)
 
     def join_sender():
-        return asyncio.gather(
-            *(a.init_weight_sync.remote(addr, port, world, "gloo", 120) for a in policy.actors)
-        )
+        return asyncio.gather(*(a.init_weight_sync.remote(group) for a in policy.actors))
 
-    asyncio.run(client.init_weight_sync(addr, port, "gloo", 120, join_sender))
+    asyncio.run(client.init_weight_sync(group, join_sender))
     spec = policy.run("weight_broadcast_spec")[0]
 
     def broadcast() -> None:

@@ -45,6 +45,7 @@ from skyrl.train.dataset.preprocess import (
 from skyrl.train.dataset.prompt_dataset import PromptDataset, PromptLoader
 from skyrl.train.generator.rollout import Episode, GeneratorConfig, RolloutManager
 from skyrl.train.inference import InferenceEngineClient
+from skyrl.train.inference.weight_sync import WeightSyncGroup
 from skyrl.train.training_batch import TrainingInputBatch
 from skyrl.train.utils.errors import ConfigError
 from skyrl.train.utils.tracking import Tracker
@@ -214,18 +215,17 @@ class Trainer:
         logger.info("weight sync: %s", mode)
         if mode == "object_store":
             return False
-        addr, port = self.policy.rank0_free_port()
-        world, backend = self.client.weight_sync_world_size, "nccl" if on_gpu else "gloo"
+        group = WeightSyncGroup(
+            *self.policy.rank0_free_port(),
+            world_size=self.client.weight_sync_world_size,
+            backend="nccl" if on_gpu else "gloo",
+            timeout_s=e.weight_sync_timeout_s,
+        )
 
         def join_sender() -> Any:
-            return asyncio.gather(
-                *(
-                    a.init_weight_sync.remote(addr, port, world, backend, e.weight_sync_timeout_s)
-                    for a in self.policy.actors
-                )
-            )
+            return asyncio.gather(*(a.init_weight_sync.remote(group) for a in self.policy.actors))
 
-        asyncio.run(self.client.init_weight_sync(addr, port, backend, e.weight_sync_timeout_s, join_sender))
+        asyncio.run(self.client.init_weight_sync(group, join_sender))
         return True
 
     def _generator_config(self, sampling: Any, n_samples: int | None = None) -> GeneratorConfig:

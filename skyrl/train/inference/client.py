@@ -29,7 +29,7 @@ from ray.actor import ActorHandle
 
 from skyrl.train.inference.config import InferenceEngineConfig, resolve_backend, validate_engine_config
 from skyrl.train.inference.engine import EngineHealth, GenerationOutput, SamplingParams
-from skyrl.train.inference.weight_sync import BroadcastSpec
+from skyrl.train.inference.weight_sync import BroadcastSpec, WeightSyncGroup
 
 logger = logging.getLogger(__name__)
 
@@ -231,27 +231,17 @@ class InferenceEngineClient:
         return 1 + self.num_engines * self._ranks_per_engine
 
     async def init_weight_sync(
-        self,
-        master_addr: str,
-        master_port: int,
-        backend: str,
-        timeout_s: float,
-        join_sender: Callable[[], Awaitable[Any]],
+        self, group: WeightSyncGroup, join_sender: Callable[[], Awaitable[Any]]
     ) -> None:
-        """Every engine joins the broadcast group at `master_addr:master_port` while `join_sender()`
-        makes the sender join as rank 0 (all ranks must join together). `backend`: `nccl` or `gloo`."""
-        world_size = self.weight_sync_world_size
-        joins = [
-            self._call(
-                i,
-                "init_weight_sync",
-                master_addr,
-                master_port,
-                1 + i * self._ranks_per_engine,
-                world_size,
-                backend,
-                timeout_s,
+        """Every engine joins `group` (ranks 1..) while `join_sender()` makes the sender join as rank 0
+        (all ranks must join together). `group.world_size` must be `weight_sync_world_size`."""
+        if group.world_size != self.weight_sync_world_size:
+            raise ValueError(
+                f"a weight-sync group of {group.world_size} ranks; this client's engines and the sender need "
+                f"{self.weight_sync_world_size} (client.weight_sync_world_size)."
             )
+        joins = [
+            self._call(i, "init_weight_sync", group, 1 + i * self._ranks_per_engine)
             for i in range(self.num_engines)
         ]
         await _gather(join_sender(), *joins)

@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from skyrl.train.inference.weight_sync import BroadcastSpec
+from skyrl.train.inference.weight_sync import BroadcastSpec, WeightSyncGroup
 
 StopReason = Literal["stop", "length", "abort"]
 
@@ -124,17 +124,9 @@ class InferenceEngine(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def init_weight_sync(
-        self,
-        master_addr: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        backend: str,
-        timeout_s: float,
-    ) -> None:
-        """Join the weight-sync process group (`weight_sync.init_sync_group`); the engine's workers
-        take ranks `rank_offset, rank_offset + 1, ...`. Blocks until every rank joined."""
+    async def init_weight_sync(self, group: WeightSyncGroup, rank_offset: int) -> None:
+        """Join the weight-sync process group; the engine's workers take ranks `rank_offset,
+        rank_offset + 1, ...`. Blocks until every rank joined."""
 
     @abc.abstractmethod
     async def check_weight_spec(self, spec: BroadcastSpec) -> None:

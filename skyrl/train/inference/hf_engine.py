@@ -29,6 +29,7 @@ from skyrl.train.inference.engine import (
 )
 from skyrl.train.inference.weight_sync import (
     BroadcastSpec,
+    WeightSyncGroup,
     init_sync_group,
     receive_group,
     sync_device,
@@ -316,19 +317,9 @@ class HFEngine(InferenceEngine):
         await self._on_thread(self._model.load_state_dict, named_tensors, False)
         self._weight_version = version
 
-    async def init_weight_sync(
-        self,
-        master_addr: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        backend: str,
-        timeout_s: float,
-    ) -> None:
-        self._sync_group = await self._on_thread(
-            init_sync_group, master_addr, master_port, rank_offset, world_size, backend, timeout_s
-        )
-        self._sync_device = sync_device(backend)
+    async def init_weight_sync(self, group: WeightSyncGroup, rank_offset: int) -> None:
+        self._sync_group = await self._on_thread(init_sync_group, group, rank_offset)
+        self._sync_device = sync_device(group.backend)
 
     async def check_weight_spec(self, spec: BroadcastSpec) -> None:
         self._check_serving()

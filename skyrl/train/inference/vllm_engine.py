@@ -32,6 +32,7 @@ from skyrl.train.inference.engine import (
 )
 from skyrl.train.inference.weight_sync import (
     BroadcastSpec,
+    WeightSyncGroup,
     init_sync_group,
     receive_group,
     sync_device,
@@ -222,17 +223,10 @@ class VLLMEngine(InferenceEngine):
         # reload_weights keeps cached KV blocks; preempting running requests recomputes them too.
         self._engine.reset_prefix_cache(reset_running_requests=True)
 
-    async def init_weight_sync(
-        self,
-        master_addr: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        backend: str,
-        timeout_s: float,
-    ) -> None:
-        args = (master_addr, master_port, rank_offset, world_size, backend, timeout_s)
-        await self._on_thread(partial(self._engine.collective_rpc, _join_sync_group, args=args))
+    async def init_weight_sync(self, group: WeightSyncGroup, rank_offset: int) -> None:
+        await self._on_thread(
+            partial(self._engine.collective_rpc, _join_sync_group, args=(group, rank_offset))
+        )
         self._sync_joined = True
 
     async def check_weight_spec(self, spec: BroadcastSpec) -> None:
@@ -299,20 +293,10 @@ def _quiet_partial_reload_warnings() -> None:
     )
 
 
-def _join_sync_group(
-    worker: Any,
-    master_addr: str,
-    master_port: int,
-    rank_offset: int,
-    world_size: int,
-    backend: str,
-    timeout_s: float,
-) -> None:
+def _join_sync_group(worker: Any, group: WeightSyncGroup, rank_offset: int) -> None:
     """Runs on every vLLM worker (tensor-parallel rank r joins as `rank_offset + r`)."""
-    worker.skyrl_sync_group = init_sync_group(
-        master_addr, master_port, rank_offset + worker.rank, world_size, backend, timeout_s
-    )
-    worker.skyrl_sync_device = sync_device(backend)
+    worker.skyrl_sync_group = init_sync_group(group, rank_offset + worker.rank)
+    worker.skyrl_sync_device = sync_device(group.backend)
 
 
 def _receive_weights(worker: Any, spec: BroadcastSpec) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -46,19 +47,33 @@ def validate_broadcast_spec(spec: BroadcastSpec, model_spec: WeightSpec) -> None
         )
 
 
-def init_sync_group(
-    master_addr: str, master_port: int, rank: int, world_size: int, backend: str, timeout_s: float
-) -> dist.ProcessGroup:
-    """Join the weight-sync group as `rank` (rank 0 hosts the rendezvous store); blocks until all ranks joined."""
-    if backend not in BACKENDS:
-        raise ValueError(f"weight sync backend {backend!r} is not one of {list(BACKENDS)}")
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+@dataclass(frozen=True)
+class WeightSyncGroup:
+    """How to join the weight-sync process group: rank 0 (the sender) hosts the rendezvous store at
+    `master_addr:master_port`; `backend` is `gloo` or `nccl`; a rank waits `timeout_s` for the others."""
+
+    master_addr: str
+    master_port: int
+    world_size: int
+    backend: str
+    timeout_s: float
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"weight sync backend {self.backend!r} is not one of {list(BACKENDS)}")
+
+
+def init_sync_group(group: WeightSyncGroup, rank: int) -> dist.ProcessGroup:
+    """Join `group` as `rank`; blocks until every rank joined."""
+    timeout = datetime.timedelta(seconds=group.timeout_s)
+    store = dist.TCPStore(
+        group.master_addr, group.master_port, group.world_size, is_master=rank == 0, timeout=timeout
+    )
+    if group.backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, group.world_size, timeout)
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
-    return dist.ProcessGroupNCCL(store, rank, world_size, options)
+    return dist.ProcessGroupNCCL(store, rank, group.world_size, options)
 
 
 def send_group(group: dist.ProcessGroup, tensors: Iterable[torch.Tensor]) -> None:

@@ -41,7 +41,13 @@ from skyrl.train.algorithms import (
     reduction_counts,
     value_loss,
 )
-from skyrl.train.inference.weight_sync import BroadcastSpec, broadcast_spec, init_sync_group, send_group
+from skyrl.train.inference.weight_sync import (
+    BroadcastSpec,
+    WeightSyncGroup,
+    broadcast_spec,
+    init_sync_group,
+    send_group,
+)
 from skyrl.train.training_batch import TrainingInputBatch
 from skyrl.train.workers.dispatch import partition_rows
 
@@ -240,12 +246,10 @@ class FSDPWorker:
             yield {name: p.full_tensor() if isinstance(p, DTensor) else p for name, p in params.items()}
 
     # ---- broadcast weight sync ----
-    def init_weight_sync(
-        self, master_addr: str, master_port: int, world_size: int, backend: str, timeout_s: float
-    ) -> None:
+    def init_weight_sync(self, group: WeightSyncGroup) -> None:
         """Rank 0 joins the engines' weight-sync group as its sender (rank 0); other ranks do nothing."""
         if self.rank == 0:
-            self._sync_group = init_sync_group(master_addr, master_port, 0, world_size, backend, timeout_s)
+            self._sync_group = init_sync_group(group, 0)
 
     def weight_broadcast_spec(self) -> BroadcastSpec:
         """What `broadcast_weights` sends, in order (full shapes; no communication)."""

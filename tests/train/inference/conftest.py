@@ -8,7 +8,7 @@ import ray
 import torch
 
 from skyrl.train.inference import InferenceEngineClient, InferenceEngineConfig
-from skyrl.train.inference.weight_sync import init_sync_group, send_group
+from skyrl.train.inference.weight_sync import WeightSyncGroup, init_sync_group, send_group
 from skyrl.train.workers.actor_group import node_free_port
 
 # Small vLLM KV cache: the tiny model needs little and every engine allocates it up front.
@@ -65,8 +65,8 @@ def reference_logprobs(
 class BroadcastSender:
     """Rank 0 of a weight-sync group, sending a model's weights one decoder layer at a time."""
 
-    def join(self, addr: str, port: int, world_size: int) -> None:
-        self.group = init_sync_group(addr, port, 0, world_size, "gloo", timeout_s=60)
+    def join(self, group: WeightSyncGroup) -> None:
+        self.group = init_sync_group(group, 0)
 
     def send(self, groups: list[dict[str, torch.Tensor]]) -> None:
         for group in groups:
@@ -85,9 +85,6 @@ def join_broadcast_sender(client: InferenceEngineClient):
     """A `BroadcastSender` joined with every engine of `client` in a gloo weight-sync group."""
     sender = BroadcastSender.remote()
     addr, port = ray.get(sender.__ray_call__.remote(lambda _: node_free_port()))
-    asyncio.run(
-        client.init_weight_sync(
-            addr, port, "gloo", 60, lambda: sender.join.remote(addr, port, client.weight_sync_world_size)
-        )
-    )
+    group = WeightSyncGroup(addr, port, client.weight_sync_world_size, "gloo", timeout_s=60)
+    asyncio.run(client.init_weight_sync(group, lambda: sender.join.remote(group)))
     return sender
