@@ -101,6 +101,7 @@ class InferenceEngineClient:
         self._in_flight = [0] * len(engines)
         self._routed = [0] * len(engines)
         self._sessions: OrderedDict[str, int] = OrderedDict()
+        self._queued: dict[int, list[tuple[list[int], SamplingParams, asyncio.Future]]] = {}
         self._limiter: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
         self._weight_version = 0
         self._latest_weights: ray.ObjectRef | None = None
@@ -196,9 +197,39 @@ class InferenceEngineClient:
             self._in_flight[index] += 1
             self._routed[index] += 1
             try:
-                return await self._call(index, "generate", list(prompt_token_ids), sampling_params)
+                return await self._submit(index, list(prompt_token_ids), sampling_params)
             finally:
                 self._in_flight[index] -= 1
+
+    async def _submit(self, index: int, prompt: list[int], params: SamplingParams) -> GenerationOutput:
+        """Queue one request for engine `index`; every request queued in the same event-loop step
+        travels in one `generate_batch` call (a Ray call costs ~0.5 ms, a 100-request turn ~50 ms)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        queue = self._queued.setdefault(index, [])
+        queue.append((prompt, params, future))
+        if len(queue) == 1:
+            loop.call_soon(self._send_queued, index)
+        return await future
+
+    def _send_queued(self, index: int) -> None:
+        requests = self._queued.pop(index)
+        call = asyncio.ensure_future(
+            self._call(index, "generate_batch", [r[0] for r in requests], [r[1] for r in requests])
+        )
+
+        def resolve(done: asyncio.Future) -> None:
+            error = done.exception()
+            results = [error] * len(requests) if error is not None else done.result()
+            for (_, _, future), result in zip(requests, results, strict=True):
+                if future.done():
+                    continue
+                if isinstance(result, BaseException):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
+
+        call.add_done_callback(resolve)
 
     async def _call_all(self, method: str, *args: Any) -> list[Any]:
         return await _gather(*(self._call(i, method, *args) for i in range(len(self._engines))))

@@ -16,6 +16,7 @@ ignores the temperature.
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -112,6 +113,16 @@ class InferenceEngine(abc.ABC):
         """Sample one response. Raises `ValueError` for an invalid prompt (empty, a token id
         outside the vocabulary, or not shorter than the maximum model length) and
         `RuntimeError` while the engine is asleep or after it failed."""
+
+    async def generate_batch(
+        self, prompts: Sequence[Sequence[int]], sampling_params: Sequence[SamplingParams]
+    ) -> list[GenerationOutput | Exception]:
+        """`generate` for many requests in one call (one Ray round trip instead of one per request);
+        the slot of a request that failed holds its exception."""
+        return await asyncio.gather(
+            *(self.generate(p, s) for p, s in zip(prompts, sampling_params, strict=True)),
+            return_exceptions=True,
+        )
 
     @abc.abstractmethod
     async def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
