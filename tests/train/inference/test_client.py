@@ -46,6 +46,23 @@ def test_concurrent_trajectories_spread_over_both_engines(client):
     assert [a - b for a, b in zip(served(client), before, strict=True)] == [4, 4]
 
 
+def test_requests_sent_together_get_their_own_results_and_errors(client):
+    """Concurrent requests travel to an engine in one call; each still gets its own response, and a
+    bad prompt fails only its own request."""
+    prompts = [[1, 40 + i] for i in range(6)] + [[1, 10**6]]
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+
+    async def run():
+        return await asyncio.gather(
+            *(client.generate(p, greedy, session_id="together") for p in prompts), return_exceptions=True
+        )
+
+    *outputs, error = asyncio.run(run())
+    assert isinstance(error, ValueError) and "outside the vocabulary" in str(error)
+    alone = [asyncio.run(client.generate(p, greedy)).response_ids for p in prompts[:-1]]
+    assert [o.response_ids for o in outputs] == alone
+
+
 def test_requests_without_a_session_spread_over_both_engines(client):
     fresh = InferenceEngineClient(client.engines)
     before = served(client)
