@@ -117,17 +117,13 @@ def main() -> None:
 
     group = WeightSyncGroup(*policy.rank0_free_port(), client.weight_sync_world_size, "gloo", timeout_s=120)
 
-    def join_sender():
-        return asyncio.gather(*(a.init_weight_sync.remote(group) for a in policy.actors))
-
-    asyncio.run(client.init_weight_sync(group, join_sender))
+    asyncio.run(client.init_weight_sync(group, lambda: policy.run_async("init_weight_sync", group)))
     spec = policy.run("weight_broadcast_spec")[0]
 
     def broadcast() -> None:
-        def send():
-            return asyncio.gather(*(a.broadcast_weights.remote() for a in policy.actors))
-
-        asyncio.run(client.broadcast_weights(spec, next(version), send))
+        asyncio.run(
+            client.broadcast_weights(spec, next(version), lambda: policy.run_async("broadcast_weights"))
+        )
 
     times = {"object_store": median_seconds(object_store, args.repeats)}
     times["broadcast"] = median_seconds(broadcast, args.repeats)

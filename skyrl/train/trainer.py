@@ -202,11 +202,10 @@ class Trainer:
         """Resolve `weight_sync` and, for `broadcast`, join policy rank 0 and the engines in one group."""
         e = self.cfg.generator.inference_engine
         on_gpu = ray.cluster_resources().get("GPU", 0) > 0
-        colocated = self.cfg.trainer.placement.colocate_all
         mode = e.weight_sync
         if mode == "auto":
-            mode = "broadcast" if on_gpu and not colocated else "object_store"
-        if mode == "broadcast" and on_gpu and colocated:
+            mode = "broadcast" if on_gpu and not self.colocated else "object_store"
+        if mode == "broadcast" and on_gpu and self.colocated:
             raise ConfigError(
                 "generator.inference_engine.weight_sync=broadcast needs engines on GPUs of their own (NCCL cannot "
                 "join two ranks on one GPU), but trainer.placement.colocate_all=true; use weight_sync=object_store "
@@ -221,11 +220,9 @@ class Trainer:
             backend="nccl" if on_gpu else "gloo",
             timeout_s=e.weight_sync_timeout_s,
         )
-
-        def join_sender() -> Any:
-            return asyncio.gather(*(a.init_weight_sync.remote(group) for a in self.policy.actors))
-
-        asyncio.run(self.client.init_weight_sync(group, join_sender))
+        asyncio.run(
+            self.client.init_weight_sync(group, lambda: self.policy.run_async("init_weight_sync", group))
+        )
         return True
 
     def _generator_config(self, sampling: Any, n_samples: int | None = None) -> GeneratorConfig:
@@ -403,11 +400,10 @@ class Trainer:
             asyncio.run(self.client.update_weights(self.policy.full_state_dict_ref(), self.weight_version))
             return
         spec = self.policy.run("weight_broadcast_spec")[0]
-
-        def send() -> Any:
-            return asyncio.gather(*(a.broadcast_weights.remote() for a in self.policy.actors))
-
-        asyncio.run(self.client.broadcast_weights(spec, self.weight_version, send))
+        broadcast = self.client.broadcast_weights(
+            spec, self.weight_version, lambda: self.policy.run_async("broadcast_weights")
+        )
+        asyncio.run(broadcast)
 
     # ---- eval ----
     def evaluate(self) -> dict[str, float]:

@@ -9,8 +9,9 @@ have the resources.
 
 from __future__ import annotations
 
+import asyncio
 import socket
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,11 @@ class ActorGroup:
     def run(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call `method(*args, **kwargs)` on every rank and wait for all results."""
         return self._get([getattr(actor, method).remote(*args, **kwargs) for actor in self.actors])
+
+    def run_async(self, method: str, *args: Any) -> Awaitable[list[Any]]:
+        """Start `method(*args)` on every rank now; await the result for all ranks (no timeout: for
+        collectives whose peers outside this group are awaited together with it)."""
+        return asyncio.gather(*(getattr(actor, method).remote(*args) for actor in self.actors))
 
     def _run_staged(
         self, method: str, staged: StagedMiniBatch, balance: bool, delay_split: bool
