@@ -1,10 +1,12 @@
-"""Weight sync from the policy worker to an inference engine: both paths next to bare torch.distributed.
+"""Weight sync from the policy worker to an inference engine: every path next to bare torch.distributed.
 
 1. object_store: `client.update_weights(policy.full_state_dict(), v)` (gather to rank 0,
    `ray.put`, the engine fetches, validates and loads).
 2. broadcast: `client.broadcast_weights(spec, v, send)` (gloo on CPU; policy rank 0
    gathers and broadcasts one decoder layer at a time, the engine receives and loads).
-3. bare: two plain processes; rank 0 broadcasts the same state dict with
+3. ipc: `client.share_weights(spec, v, send)` (/dev/shm on CPU; the policy rank packs one
+   decoder layer at a time into a shared buffer, the engine maps it and loads).
+4. bare: two plain processes; rank 0 broadcasts the same state dict with
    `torch.distributed` (gloo) and rank 1 copies it into its model (`load_state_dict`).
 
 Prints the median seconds per sync of each (after one warm-up) and the ratio
@@ -118,15 +120,22 @@ def main() -> None:
     group = WeightSyncGroup(*policy.rank0_free_port(), client.weight_sync_world_size, "gloo", timeout_s=120)
 
     asyncio.run(client.init_weight_sync(group, lambda: policy.run_async("init_weight_sync", group)))
-    spec = policy.run("weight_broadcast_spec")[0]
+    spec = policy.run("weight_stream_spec")[0]
 
     def broadcast() -> None:
         asyncio.run(
             client.broadcast_weights(spec, next(version), lambda: policy.run_async("broadcast_weights"))
         )
 
+    def ipc() -> None:
+        v = next(version)
+        asyncio.run(
+            client.share_weights(spec, v, lambda engines: policy.run_async("share_weights", engines, v))
+        )
+
     times = {"object_store": median_seconds(object_store, args.repeats)}
     times["broadcast"] = median_seconds(broadcast, args.repeats)
+    times["ipc"] = median_seconds(ipc, args.repeats)
     client.shutdown()
     policy.kill()
     ray.shutdown()

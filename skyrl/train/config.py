@@ -461,6 +461,12 @@ def validate_config(cfg: SkyRLConfig) -> None:
             "the colocated engines share (trainer.placement.policy_num_nodes x policy_num_gpus_per_node); "
             f"use num_engines<={bundles} or placement=disaggregated.",
         )
+    _require(
+        e.weight_sync != "ipc" or p.colocate_all,
+        "generator.inference_engine.weight_sync=ipc with trainer.placement.colocate_all=false: shared-memory "
+        "sync needs each engine on its policy rank's node and GPU; use placement=colocated, or "
+        "weight_sync=broadcast (or auto) for disaggregated engines.",
+    )
     if g.http_endpoint.enabled:
         validate_server_config(g.http_endpoint)
 

@@ -99,7 +99,7 @@ class Trainer:
         self.colocated = t.placement.colocate_all
         self._build_workers()
         self.client = self._start_engines()
-        self.broadcast_sync = self._init_weight_sync()
+        self.weight_sync = self._init_weight_sync()
         self.rollout = RolloutManager(
             self.client, self.tokenizer, self._generator_config(cfg.generator.sampling)
         )
@@ -198,22 +198,23 @@ class Trainer:
             e = replace(e, enable_sleep_mode=True)
         return InferenceEngineClient.from_config(e, self.model_path, strategies, self._engine_resources)
 
-    def _init_weight_sync(self) -> bool:
-        """Resolve `weight_sync` and, for `broadcast`, join policy rank 0 and the engines in one group."""
+    def _init_weight_sync(self) -> str:
+        """Resolve `weight_sync` (`object_store`, `broadcast` or `ipc`) and, for `broadcast`, join policy
+        rank 0 and the engines in one group."""
         e = self.cfg.generator.inference_engine
         on_gpu = ray.cluster_resources().get("GPU", 0) > 0
         mode = e.weight_sync
         if mode == "auto":
-            mode = "broadcast" if on_gpu and not self.colocated else "object_store"
+            mode = ("ipc" if self.colocated else "broadcast") if on_gpu else "object_store"
         if mode == "broadcast" and on_gpu and self.colocated:
             raise ConfigError(
                 "generator.inference_engine.weight_sync=broadcast needs engines on GPUs of their own (NCCL cannot "
-                "join two ranks on one GPU), but trainer.placement.colocate_all=true; use weight_sync=object_store "
+                "join two ranks on one GPU), but trainer.placement.colocate_all=true; use weight_sync=ipc "
                 "(or auto), or placement=disaggregated"
             )
         logger.info("weight sync: %s", mode)
-        if mode == "object_store":
-            return False
+        if mode != "broadcast":
+            return mode
         group = WeightSyncGroup(
             *self.policy.rank0_free_port(),
             world_size=self.client.weight_sync_world_size,
@@ -223,7 +224,7 @@ class Trainer:
         asyncio.run(
             self.client.init_weight_sync(group, lambda: self.policy.run_async("init_weight_sync", group))
         )
-        return True
+        return mode
 
     def _generator_config(self, sampling: Any, n_samples: int | None = None) -> GeneratorConfig:
         g, env = self.cfg.generator, self.cfg.environment
@@ -393,17 +394,23 @@ class Trainer:
         return metrics
 
     def sync_weights(self) -> None:
-        """Policy weights to every engine (broadcast group by group, or a full state dict through the
-        object store); bumps the weight version."""
+        """Policy weights to every engine (a full state dict through the object store, or group by group
+        by broadcast or shared memory); bumps the weight version."""
         self.weight_version += 1
-        if not self.broadcast_sync:
-            asyncio.run(self.client.update_weights(self.policy.full_state_dict_ref(), self.weight_version))
+        version = self.weight_version
+        if self.weight_sync == "object_store":
+            asyncio.run(self.client.update_weights(self.policy.full_state_dict_ref(), version))
             return
-        spec = self.policy.run("weight_broadcast_spec")[0]
-        broadcast = self.client.broadcast_weights(
-            spec, self.weight_version, lambda: self.policy.run_async("broadcast_weights")
-        )
-        asyncio.run(broadcast)
+        spec = self.policy.run("weight_stream_spec")[0]
+        if self.weight_sync == "broadcast":
+            sync = self.client.broadcast_weights(
+                spec, version, lambda: self.policy.run_async("broadcast_weights")
+            )
+        else:
+            sync = self.client.share_weights(
+                spec, version, lambda engines: self.policy.run_async("share_weights", engines, version)
+            )
+        asyncio.run(sync)
 
     # ---- eval ----
     def evaluate(self) -> dict[str, float]:

@@ -107,8 +107,12 @@ BAD_CONFIGS = [
         r"num_engines=2 exceeds the 1 policy bundles .* use num_engines<=1 or placement=disaggregated",
     ),
     (
-        ["generator.inference_engine.weight_sync=ipc"],
-        r"weight_sync='ipc' is not one of \['auto', 'object_store'",
+        ["generator.inference_engine.weight_sync=nccl"],
+        r"weight_sync='nccl' is not one of \['auto', 'object_store', 'broadcast', 'ipc'\]",
+    ),
+    (
+        ["placement=disaggregated", "generator.inference_engine.weight_sync=ipc"],
+        r"weight_sync=ipc with trainer.placement.colocate_all=false.*use placement=colocated",
     ),
     (["trainer.total_steps=-1"], r"trainer.total_steps=-1 must be >= 0"),
 ]

@@ -77,16 +77,28 @@ def test_ppo_trains_a_critic(ray_cluster, tiny_model_path, tmp_path):
     assert history[-1]["policy/optimizer_steps"] == 4  # 4 prompts / mini-batch 2, two epochs (preset)
 
 
-def test_broadcast_weight_sync_keeps_engines_on_the_policy_weights(ray_cluster, tiny_model_path, tmp_path):
-    """Two policy ranks and the engine in a gloo broadcast group (the NCCL path of a disaggregated GPU
-    run): after every update the engine samples with the policy's weights, so rollout and trainer
-    logprobs agree."""
+@pytest.mark.parametrize(
+    "layout",
+    [
+        # a gloo broadcast group with policy rank 0 (the NCCL path of a disaggregated GPU run)
+        ["placement=disaggregated", "generator.inference_engine.weight_sync=broadcast"],
+        # each rank hands its colocated engine the weights through /dev/shm (CUDA IPC on GPU)
+        ["generator.inference_engine.num_engines=2", "generator.inference_engine.weight_sync=ipc"],
+    ],
+    ids=["broadcast", "ipc"],
+)
+def test_streamed_weight_sync_keeps_engines_on_the_policy_weights(
+    ray_cluster, tiny_model_path, tmp_path, layout
+):
+    """Two policy ranks stream the weights one layer at a time: after every update the engines sample
+    with the policy's weights, so rollout and trainer logprobs agree."""
     overrides = [
         *SMALL,
-        "placement=disaggregated",
+        *layout,
         "trainer.total_steps=3",
         "trainer.placement.policy_num_gpus_per_node=2",
-        "generator.inference_engine.weight_sync=broadcast",
+        # whitened over the batch: a step has a gradient even when every group's rewards tie (GRPO's zero)
+        "trainer.algorithm.advantage_estimator=reinforce++",
     ]
     history = run(overrides, tmp_path, tiny_model_path)
     assert all(m["policy/grad_norm"] > 0 for m in history)

@@ -5,13 +5,16 @@ that served the session before, so every turn of a trajectory reuses that
 engine's prefix cache; a new session or a request without one goes to the engine
 with the fewest requests in flight (ties: the one routed to least often).
 
-Weight sync, two paths behind one version counter:
+Weight sync, three paths behind one version counter:
 - object store (`update_weights`): the named tensors are `ray.put` once and every
   engine fetches them, validates the update, loads it and resets its prefix cache.
 - broadcast (`init_weight_sync`, `broadcast_weights`): the engines join a process
   group with the policy's rank 0 (NCCL on GPU, gloo on CPU; see `weight_sync`),
   check the spec of the update, then receive it group by group.
-Either way the client's `weight_version` advances once every engine has the update.
+- shared memory (`share_weights`, colocated engines): the engines check the spec,
+  then each policy rank hands its engine one group at a time through CUDA IPC or
+  /dev/shm (see `shared_weights`).
+Each way the client's `weight_version` advances once every engine has the update.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from ray.actor import ActorHandle
 
 from skyrl.train.inference.config import InferenceEngineConfig, resolve_backend, validate_engine_config
 from skyrl.train.inference.engine import EngineHealth, GenerationOutput, SamplingParams
-from skyrl.train.inference.weight_sync import BroadcastSpec, WeightSyncGroup
+from skyrl.train.inference.weight_sync import WeightSyncGroup
+from skyrl.train.inference.weights import StreamSpec
 
 logger = logging.getLogger(__name__)
 
@@ -279,15 +283,34 @@ class InferenceEngineClient:
         self._in_sync_group = True
 
     async def broadcast_weights(
-        self, spec: BroadcastSpec, version: int, send: Callable[[], Awaitable[Any]]
+        self, spec: StreamSpec, version: int, send: Callable[[], Awaitable[Any]]
     ) -> None:
         """Weight sync by broadcast: every engine checks `spec` (a bad update raises `WeightUpdateError`
         and nothing is sent), then `send()` broadcasts the groups of `spec` in order while every engine
         receives and loads them. `version` as in `update_weights`."""
         self._check_version(version)
+        if not self._in_sync_group:
+            raise RuntimeError(
+                "the engines have not joined a weight-sync group; call init_weight_sync first."
+            )
         await self._call_all("check_weight_spec", spec)
         await _gather(send(), self._call_all("receive_weights", spec, version))
         self._weight_version = version
+        self._latest_weights = None
+
+    async def share_weights(
+        self, spec: StreamSpec, version: int, send: Callable[[tuple[ActorHandle, ...]], Awaitable[Any]]
+    ) -> None:
+        """Weight sync through shared memory, for engines on their sender's node (and GPU): every engine
+        checks `spec` (a bad update raises `WeightUpdateError` and nothing is sent), then
+        `send(engines)` hands the groups of `spec` to the engines with `load_shared_weights`, the last
+        group of each with `version` (e.g. `FSDPWorker.share_weights` on every policy rank).
+        `version` as in `update_weights`."""
+        self._check_version(version)
+        await self._call_all("check_weight_spec", spec)
+        await send(self.engines)
+        self._weight_version = version
+        self._latest_weights = None
 
     async def reset_prefix_cache(self) -> None:
         """Reset every engine's prefix cache."""
@@ -310,12 +333,19 @@ class InferenceEngineClient:
 
         Only for clients built by `from_config`. The latest update is kept in the
         object store for this, so restarts restore the current weights when updates
-        are full state dicts (what the trainer sends).
+        are full state dicts sent by `update_weights`. After a broadcast or shared-memory
+        update no copy is kept, and the restart is refused.
         """
         if self._in_sync_group:
             raise RuntimeError(
                 "engines in a broadcast weight-sync group cannot be restarted one by one (the group has a "
                 "fixed size); restart the run, which resumes from its last checkpoint."
+            )
+        if self._weight_version and self._latest_weights is None:
+            raise RuntimeError(
+                f"the engines hold weight version {self._weight_version}, sent through shared memory, and no "
+                "copy is kept to restore a restarted engine; restart the run, which resumes from its last "
+                "checkpoint, or use weight_sync=object_store."
             )
         if self._factory is None:
             raise RuntimeError(

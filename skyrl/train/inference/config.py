@@ -17,7 +17,7 @@ SERVER_KEY = "generator.http_endpoint"
 BACKENDS = ("auto", "vllm", "hf")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-WEIGHT_SYNCS = ("auto", "object_store", "broadcast")
+WEIGHT_SYNCS = ("auto", "object_store", "broadcast", "ipc")
 CPU_KV_CACHE_BYTES = 1 << 30
 
 
@@ -37,8 +37,10 @@ class InferenceEngineConfig:
     max_concurrent_requests: requests the client has in flight over all engines.
     weight_sync: how the trainer sends policy weights to the engines: `object_store`
     (full state dict through Ray), `broadcast` (a process group from policy rank 0
-    to the engines: NCCL on GPU, gloo on CPU; engines need GPUs of their own), or
-    `auto` (broadcast on GPU when the engines are not colocated, else object_store).
+    to the engines: NCCL on GPU, gloo on CPU; engines need GPUs of their own), `ipc`
+    (colocated engines only: each policy rank hands its engine one layer at a time
+    through CUDA IPC on GPU, /dev/shm on CPU), or `auto` (on GPU, ipc when colocated
+    and broadcast when not; object_store on CPU).
     weight_sync_timeout_s: how long a broadcast rank waits for the others.
     """
 

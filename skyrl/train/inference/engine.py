@@ -23,7 +23,9 @@ from typing import Literal
 
 import torch
 
-from skyrl.train.inference.weight_sync import BroadcastSpec, WeightSyncGroup
+from skyrl.train.inference.shared_weights import SharedGroup
+from skyrl.train.inference.weight_sync import WeightSyncGroup
+from skyrl.train.inference.weights import StreamSpec
 
 StopReason = Literal["stop", "length", "abort"]
 
@@ -140,14 +142,21 @@ class InferenceEngine(abc.ABC):
         rank_offset + 1, ...`. Blocks until every rank joined."""
 
     @abc.abstractmethod
-    async def check_weight_spec(self, spec: BroadcastSpec) -> None:
-        """Raise `WeightUpdateError` unless a broadcast of `spec` would be a valid update (nothing is received)."""
+    async def check_weight_spec(self, spec: StreamSpec) -> None:
+        """Raise `WeightUpdateError` unless streaming the groups of `spec` (by `receive_weights` or
+        `load_shared_weights`) would be a valid update; nothing is loaded."""
 
     @abc.abstractmethod
-    async def receive_weights(self, spec: BroadcastSpec, version: int) -> None:
+    async def receive_weights(self, spec: StreamSpec, version: int) -> None:
         """Receive the groups of `spec` broadcast by rank 0 and load each as it arrives; then the prefix
         cache is reset and the weight version becomes `version`. Call `check_weight_spec` first: an
         update rejected here would leave the sender waiting."""
+
+    @abc.abstractmethod
+    async def load_shared_weights(self, group: SharedGroup, version: int | None) -> None:
+        """Load one weight group shared by a process on this node (see `shared_weights`), validated
+        like `update_weights`; the group's memory is only read during the call. With `version` (the
+        last group of an update) the prefix cache is then reset and the weight version becomes `version`."""
 
     @abc.abstractmethod
     async def reset_prefix_cache(self) -> None:

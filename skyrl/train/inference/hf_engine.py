@@ -27,15 +27,14 @@ from skyrl.train.inference.engine import (
     StopReason,
     validate_prompt,
 )
-from skyrl.train.inference.weight_sync import (
-    BroadcastSpec,
-    WeightSyncGroup,
-    init_sync_group,
-    receive_group,
-    sync_device,
-    validate_broadcast_spec,
+from skyrl.train.inference.shared_weights import SharedGroup, open_shared
+from skyrl.train.inference.weight_sync import WeightSyncGroup, init_sync_group, receive_group, sync_device
+from skyrl.train.inference.weights import (
+    StreamSpec,
+    validate_stream_spec,
+    validate_weight_update,
+    weight_spec_from_model,
 )
-from skyrl.train.inference.weights import validate_weight_update, weight_spec_from_model
 
 
 @dataclass
@@ -321,21 +320,31 @@ class HFEngine(InferenceEngine):
         self._sync_group = await self._on_thread(init_sync_group, group, rank_offset)
         self._sync_device = sync_device(group.backend)
 
-    async def check_weight_spec(self, spec: BroadcastSpec) -> None:
+    async def check_weight_spec(self, spec: StreamSpec) -> None:
         self._check_serving()
+        validate_stream_spec(spec, self._spec)
+
+    async def receive_weights(self, spec: StreamSpec, version: int) -> None:
         if self._sync_group is None:
             raise RuntimeError("this engine has not joined a weight-sync group; call init_weight_sync first.")
-        validate_broadcast_spec(spec, self._spec)
-
-    async def receive_weights(self, spec: BroadcastSpec, version: int) -> None:
         await self._on_thread(self._receive, spec)
         self._weight_version = version
 
-    def _receive(self, spec: BroadcastSpec) -> None:
+    def _receive(self, spec: StreamSpec) -> None:
         for group in spec:
             self._model.load_state_dict(
                 dict(receive_group(self._sync_group, group, self._sync_device)), strict=False
             )
+
+    async def load_shared_weights(self, group: SharedGroup, version: int | None) -> None:
+        self._check_serving()
+        validate_stream_spec([group.spec()], self._spec)
+        await self._on_thread(self._load_shared, group)
+        if version is not None:
+            self._weight_version = version
+
+    def _load_shared(self, group: SharedGroup) -> None:
+        self._model.load_state_dict(dict(open_shared(group)), strict=False)
 
     async def reset_prefix_cache(self) -> None:
         """No-op: `generate` keeps no cache across requests."""

@@ -30,15 +30,14 @@ from skyrl.train.inference.engine import (
     SamplingParams,
     validate_prompt,
 )
-from skyrl.train.inference.weight_sync import (
-    BroadcastSpec,
-    WeightSyncGroup,
-    init_sync_group,
-    receive_group,
-    sync_device,
-    validate_broadcast_spec,
+from skyrl.train.inference.shared_weights import SharedGroup, open_shared
+from skyrl.train.inference.weight_sync import WeightSyncGroup, init_sync_group, receive_group, sync_device
+from skyrl.train.inference.weights import (
+    StreamSpec,
+    checkpoint_weight_spec,
+    validate_stream_spec,
+    validate_weight_update,
 )
-from skyrl.train.inference.weights import checkpoint_weight_spec, validate_weight_update
 
 
 class VLLMEngine(InferenceEngine):
@@ -229,19 +228,31 @@ class VLLMEngine(InferenceEngine):
         )
         self._sync_joined = True
 
-    async def check_weight_spec(self, spec: BroadcastSpec) -> None:
+    async def check_weight_spec(self, spec: StreamSpec) -> None:
         self._check_serving()
+        validate_stream_spec(spec, self._spec)
+
+    async def receive_weights(self, spec: StreamSpec, version: int) -> None:
         if not self._sync_joined:
             raise RuntimeError("this engine has not joined a weight-sync group; call init_weight_sync first.")
-        validate_broadcast_spec(spec, self._spec)
-
-    async def receive_weights(self, spec: BroadcastSpec, version: int) -> None:
         await self._on_thread(self._receive, spec)
         self._weight_version = version
 
-    def _receive(self, spec: BroadcastSpec) -> None:
+    def _receive(self, spec: StreamSpec) -> None:
         self._engine.collective_rpc(_receive_weights, args=(spec,))
         self._engine.reset_prefix_cache(reset_running_requests=True)
+
+    async def load_shared_weights(self, group: SharedGroup, version: int | None) -> None:
+        self._check_serving()
+        validate_stream_spec([group.spec()], self._spec)
+        await self._on_thread(self._load_shared, group, version is not None)
+        if version is not None:
+            self._weight_version = version
+
+    def _load_shared(self, group: SharedGroup, last: bool) -> None:
+        self._engine.collective_rpc(_load_shared_group, args=(group,))
+        if last:
+            self._engine.reset_prefix_cache(reset_running_requests=True)
 
     async def reset_prefix_cache(self) -> None:
         await self._on_thread(partial(self._engine.reset_prefix_cache, reset_running_requests=True))
@@ -286,10 +297,14 @@ class VLLMEngine(InferenceEngine):
 
 def _quiet_partial_reload_warnings() -> None:
     """vLLM warns "<Layer>: Failed to load weights" for every layer an update leaves out (the rotary
-    embedding always, other layers in a group-by-group broadcast) and keeps those layers' weights,
-    which is what a validated partial update means; drop that one message."""
+    embedding always, other layers in a group-by-group update), and lists the weights "not loaded from
+    checkpoint" after a partial in-place reload; it keeps those weights, which is what a validated
+    partial update means. Drop those two messages."""
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
         lambda record: not record.getMessage().endswith("Failed to load weights")
+    )
+    logging.getLogger("vllm.model_executor.model_loader.reload.inplace").addFilter(
+        lambda record: not record.getMessage().startswith("Following weights were not loaded from checkpoint")
     )
 
 
@@ -299,11 +314,16 @@ def _join_sync_group(worker: Any, group: WeightSyncGroup, rank_offset: int) -> N
     worker.skyrl_sync_device = sync_device(group.backend)
 
 
-def _receive_weights(worker: Any, spec: BroadcastSpec) -> None:
+def _receive_weights(worker: Any, spec: StreamSpec) -> None:
     """Runs on every vLLM worker: receive each group and load it (each worker keeps its own shard)."""
     for group in spec:
         received = receive_group(worker.skyrl_sync_group, group, worker.skyrl_sync_device)
         worker.reload_weights(weights_iterator=received)
+
+
+def _load_shared_group(worker: Any, group: SharedGroup) -> None:
+    """Runs on every vLLM worker: map the shared group and load it (each worker keeps its own shard)."""
+    worker.reload_weights(weights_iterator=open_shared(group))
 
 
 def _cpu_thread_binding(tensor_parallel_size: int) -> dict[str, str]:

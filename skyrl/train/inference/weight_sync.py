@@ -8,43 +8,19 @@ never holds more than one extra layer. The driver sends the `WeightSpec` (names,
 dtypes, shapes, in sending order) first; engines check it against their model,
 and only then does the broadcast start, so a bad update changes nothing.
 
-NCCL cannot join two ranks on one GPU: colocated GPU runs use the object store.
+NCCL cannot join two ranks on one GPU: colocated GPU runs use `shared_weights` (CUDA IPC).
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from skyrl.train.inference.weights import WeightSpec, validate_weight_update
-
-# Per group, per tensor in sending order: (name, dtype name, shape).
-BroadcastSpec = list[list[tuple[str, str, tuple[int, ...]]]]
 BACKENDS = ("gloo", "nccl")
-
-
-def broadcast_spec(groups: Iterable[Mapping[str, torch.Tensor]]) -> BroadcastSpec:
-    """The spec of weight groups (tensors or meta tensors) in the order they will be sent."""
-    return [
-        [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in group.items()]
-        for group in groups
-    ]
-
-
-def validate_broadcast_spec(spec: BroadcastSpec, model_spec: WeightSpec) -> None:
-    """`WeightUpdateError` unless every group of `spec` is a valid update of the model (see `validate_weight_update`)."""
-    for group in spec:
-        validate_weight_update(
-            {
-                name: torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
-                for name, dtype, shape in group
-            },
-            model_spec,
-        )
 
 
 @dataclass(frozen=True)

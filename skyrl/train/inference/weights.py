@@ -7,7 +7,7 @@ validated first: names, shapes, floating dtypes, and fused groups complete.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -76,3 +76,27 @@ def validate_weight_update(named_tensors: Mapping[str, torch.Tensor], spec: Weig
         problems.append(f"fused and tied weights must arrive together; missing {missing[:6]}")
     if problems:
         raise WeightUpdateError("rejected weight update, nothing was loaded: " + "; ".join(problems) + ".")
+
+
+# Per group, per tensor in sending order: (name, dtype name, shape).
+StreamSpec = list[list[tuple[str, str, tuple[int, ...]]]]
+
+
+def stream_spec(groups: Iterable[Mapping[str, torch.Tensor]]) -> StreamSpec:
+    """The spec of weight groups (tensors or meta tensors) in the order they will be sent."""
+    return [
+        [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in group.items()]
+        for group in groups
+    ]
+
+
+def validate_stream_spec(spec: StreamSpec, model_spec: WeightSpec) -> None:
+    """`WeightUpdateError` unless every group of `spec` is a valid update of the model (see `validate_weight_update`)."""
+    for group in spec:
+        validate_weight_update(
+            {
+                name: torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+                for name, dtype, shape in group
+            },
+            model_spec,
+        )

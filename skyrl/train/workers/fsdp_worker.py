@@ -13,9 +13,10 @@ import abc
 import math
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,13 +42,9 @@ from skyrl.train.algorithms import (
     reduction_counts,
     value_loss,
 )
-from skyrl.train.inference.weight_sync import (
-    BroadcastSpec,
-    WeightSyncGroup,
-    broadcast_spec,
-    init_sync_group,
-    send_group,
-)
+from skyrl.train.inference.shared_weights import packed_nbytes, send_shared
+from skyrl.train.inference.weight_sync import WeightSyncGroup, init_sync_group, send_group
+from skyrl.train.inference.weights import StreamSpec, stream_spec
 from skyrl.train.training_batch import TrainingInputBatch
 from skyrl.train.workers.dispatch import partition_rows
 
@@ -251,15 +248,30 @@ class FSDPWorker:
         if self.rank == 0:
             self._sync_group = init_sync_group(group, 0)
 
-    def weight_broadcast_spec(self) -> BroadcastSpec:
-        """What `broadcast_weights` sends, in order (full shapes; no communication)."""
-        return broadcast_spec(self._param_groups())
+    def weight_stream_spec(self) -> StreamSpec:
+        """What `broadcast_weights` and `share_weights` send, in order (full shapes; no communication)."""
+        return stream_spec(self._param_groups())
 
     def broadcast_weights(self) -> None:
         """Collective over the ranks: gather one weight group at a time; rank 0 broadcasts it to the engines."""
         for group in self.iter_weight_groups():
             if self.rank == 0:
                 send_group(self._sync_group, group.values())
+
+    # ---- shared-memory weight sync (colocated engines) ----
+    def share_weights(self, engines: Sequence[Any], version: int) -> None:
+        """Collective over the ranks: gather one weight group at a time; rank i hands it to `engines[i]`
+        (colocated on its bundle) through shared memory and waits until it is loaded (see
+        `shared_weights`); the last group carries `version`. Ranks without an engine only gather."""
+        groups = self.iter_weight_groups()
+        try:
+            if self.rank < len(engines):
+                nbytes = max(packed_nbytes(g.values()) for g in self._param_groups())
+                device = next(self.model.parameters()).device
+                send_shared(engines[self.rank], groups, nbytes, device, version)
+        finally:
+            for _ in groups:  # after a failure too: the other ranks are in the same collectives
+                pass
 
     def save_hf_model(self, path: str) -> None:
         """`save_pretrained` of the full model and its tokenizer to `path`, from rank 0 (collective)."""

@@ -8,6 +8,7 @@ import ray
 import torch
 
 from skyrl.train.inference import InferenceEngineClient, InferenceEngineConfig
+from skyrl.train.inference.shared_weights import packed_nbytes, send_shared
 from skyrl.train.inference.weight_sync import WeightSyncGroup, init_sync_group, send_group
 from skyrl.train.workers.actor_group import node_free_port
 
@@ -88,3 +89,13 @@ def join_broadcast_sender(client: InferenceEngineClient):
     group = WeightSyncGroup(addr, port, client.weight_sync_world_size, "gloo", timeout_s=60)
     asyncio.run(client.init_weight_sync(group, lambda: sender.join.remote(group)))
     return sender
+
+
+def share_from_driver(groups: list[dict[str, torch.Tensor]], version: int):
+    """A `send` for `client.share_weights`: this process shares `groups` with the first engine."""
+    nbytes = max(packed_nbytes(g.values()) for g in groups)
+
+    def send(engines):
+        return asyncio.to_thread(send_shared, engines[0], groups, nbytes, torch.device("cpu"), version)
+
+    return send

@@ -8,9 +8,17 @@ import ray
 import torch
 
 from skyrl.train.inference import SamplingParams, WeightUpdateError
-from skyrl.train.inference.weight_sync import broadcast_spec
+from skyrl.train.inference.shared_weights import SharedBuffer, packed_nbytes
+from skyrl.train.inference.weights import stream_spec
 
-from .conftest import join_broadcast_sender, layer_groups, perturbed_copy, reference_logprobs, start_client
+from .conftest import (
+    join_broadcast_sender,
+    layer_groups,
+    perturbed_copy,
+    reference_logprobs,
+    share_from_driver,
+    start_client,
+)
 
 # Greedy decoding of the seed-0 tiny model repeats the last prompt token and never emits eos.
 LOOP_PROMPT = [1, 20, 21]
@@ -144,7 +152,18 @@ def sender(client):
     ray.kill(sender)
 
 
-def test_broadcast_weights_switch_to_the_perturbed_model_group_by_group(client, sender, reference_model):
+def stream(client, request, path, groups, spec, version):
+    """Send `groups` (announced as `spec`) by broadcast from a sender actor, or through shared memory."""
+    if path == "broadcast":
+        sender = request.getfixturevalue("sender")
+        return asyncio.run(client.broadcast_weights(spec, version, lambda: sender.send.remote(groups)))
+    return asyncio.run(client.share_weights(spec, version, share_from_driver(groups, version)))
+
+
+@pytest.mark.parametrize("path", ["broadcast", "ipc"])
+def test_streamed_weights_switch_to_the_perturbed_model_group_by_group(
+    client, reference_model, request, path
+):
     perturbed = perturbed_copy(reference_model, seed=3)
     prompt = [(5 * i) % 500 + 3 for i in range(300)]  # whole KV blocks: a stale prefix cache would show
     params = SamplingParams(temperature=0.9, max_tokens=8, seed=5)
@@ -152,10 +171,9 @@ def test_broadcast_weights_switch_to_the_perturbed_model_group_by_group(client, 
     try:
         groups = layer_groups(perturbed)
         version = client.weight_version + 1
-        asyncio.run(
-            client.broadcast_weights(broadcast_spec(groups), version, lambda: sender.send.remote(groups))
-        )
+        stream(client, request, path, groups, stream_spec(groups), version)
         assert client.weight_version == version
+        assert [h.weight_version for h in asyncio.run(client.health())] == [version]
         after = generate(client, prompt, params)
         assert after.weight_version == version
         assert_logprobs_match(perturbed, prompt, after, 0.9)
@@ -163,15 +181,31 @@ def test_broadcast_weights_switch_to_the_perturbed_model_group_by_group(client, 
         asyncio.run(client.update_weights(reference_model.state_dict(), client.weight_version + 1))
 
 
-def test_bad_broadcast_spec_is_rejected_before_anything_is_sent(client, sender, reference_model):
-    groups = layer_groups(reference_model)
-    spec = broadcast_spec(groups)
+@pytest.mark.parametrize("path", ["broadcast", "ipc"])
+def test_bad_stream_spec_is_rejected_before_anything_is_sent(client, reference_model, request, path):
+    request.getfixturevalue("sender")  # the broadcast group is joined: only the spec is wrong
+    spec = stream_spec(layer_groups(reference_model))
     spec[1] = [(name, dtype, (3, 3)) for name, dtype, _ in spec[1]]
     version = client.weight_version
     sent = []
+    sync = client.broadcast_weights if path == "broadcast" else client.share_weights
     with pytest.raises(WeightUpdateError, match=re.escape("has shape (3, 3)")):
-        asyncio.run(client.broadcast_weights(spec, version + 1, lambda: sent.append(1)))
+        asyncio.run(sync(spec, version + 1, lambda *engines: sent.append(1)))
     assert not sent and client.weight_version == version
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=2)
+    assert_logprobs_match(reference_model, PROMPTS[0], generate(client, PROMPTS[0], params), 1.0)
+
+
+def test_a_shared_group_unlike_its_spec_is_refused_on_arrival(client, reference_model):
+    version = client.weight_version
+    halves = {name: t[: t.shape[0] // 2] for name, t in layer_groups(reference_model)[0].items()}
+    buffer = SharedBuffer(packed_nbytes(halves.values()), torch.device("cpu"))
+    try:
+        with pytest.raises(WeightUpdateError, match="has shape"):
+            ray.get(client.engines[0].load_shared_weights.remote(buffer.share(halves), version + 1))
+    finally:
+        buffer.close()
+    assert [h.weight_version for h in asyncio.run(client.health())] == [version]
     params = SamplingParams(temperature=1.0, max_tokens=8, seed=2)
     assert_logprobs_match(reference_model, PROMPTS[0], generate(client, PROMPTS[0], params), 1.0)
 

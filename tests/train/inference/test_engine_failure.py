@@ -1,4 +1,5 @@
-"""A killed engine actor fails its requests with an error naming it; the client restarts it with current weights."""
+"""A killed engine actor fails its requests with an error naming it; the client restarts it with current weights
+(or refuses to, when it keeps no copy of them)."""
 
 import asyncio
 
@@ -7,8 +8,9 @@ import ray
 import torch
 
 from skyrl.train.inference import EngineDeadError, SamplingParams
+from skyrl.train.inference.weights import stream_spec
 
-from .conftest import perturbed_copy, reference_logprobs, start_client
+from .conftest import layer_groups, perturbed_copy, reference_logprobs, share_from_driver, start_client
 
 LOOP_PROMPT = [1, 20, 21]
 
@@ -49,5 +51,22 @@ def test_killed_engine_fails_requests_clearly_and_restarts_with_current_weights(
         assert out.weight_version == 1
         expected = reference_logprobs(perturbed, [1, 10, 11], out.response_ids, 1.0)
         torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=0)
+    finally:
+        client.shutdown()
+
+
+def test_an_engine_updated_through_shared_memory_is_not_restarted_with_stale_weights(
+    ray_cluster, tiny_model_path, reference_model
+):
+    client = start_client("hf", tiny_model_path)
+    try:
+        asyncio.run(client.update_weights(reference_model.state_dict(), 1))  # a copy the client keeps
+        groups = layer_groups(perturbed_copy(reference_model, seed=2))
+        asyncio.run(client.share_weights(stream_spec(groups), 2, share_from_driver(groups, 2)))
+        with pytest.raises(
+            RuntimeError, match=r"weight version 2, sent through shared memory, .*weight_sync=object_store"
+        ):
+            asyncio.run(client.restart_engine(0))
+        assert [h.weight_version for h in asyncio.run(client.health())] == [2]
     finally:
         client.shutdown()

@@ -8,7 +8,7 @@ import ray
 import torch
 
 from skyrl.train.inference import SamplingParams
-from skyrl.train.inference.weight_sync import broadcast_spec
+from skyrl.train.inference.weights import stream_spec
 
 from .conftest import join_broadcast_sender, layer_groups, perturbed_copy, reference_logprobs, start_client
 
@@ -33,7 +33,7 @@ def test_tensor_parallel_engine_serves_updated_weights_and_shutdown_reaps_its_wo
         sender = join_broadcast_sender(client)
         assert client.weight_sync_world_size == 3
         groups = layer_groups(perturbed_copy(reference_model, seed=5))
-        asyncio.run(client.broadcast_weights(broadcast_spec(groups), 2, lambda: sender.send.remote(groups)))
+        asyncio.run(client.broadcast_weights(stream_spec(groups), 2, lambda: sender.send.remote(groups)))
         out = asyncio.run(client.generate(prompt, SamplingParams(temperature=0.8, max_tokens=8, seed=0)))
         expected = reference_logprobs(perturbed_copy(reference_model, seed=5), prompt, out.response_ids, 0.8)
         torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=0)

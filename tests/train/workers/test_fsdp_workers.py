@@ -12,7 +12,8 @@ from scripts.check_dp_equivalence import (
     train_two_steps,
 )
 from skyrl.train.dataset.preprocess import compute_prompt_mini_batch_boundaries
-from skyrl.train.inference.weight_sync import broadcast_spec
+from skyrl.train.inference import InferenceEngineClient, InferenceEngineConfig
+from skyrl.train.inference.weights import stream_spec
 from skyrl.train.workers.actor_group import ActorGroup, create_placement_group, latest_checkpoint
 from skyrl.train.workers.dispatch import MeshDispatch
 from skyrl.train.workers.fsdp_worker import (
@@ -180,11 +181,27 @@ def test_weight_groups_stream_whole_layers_and_cover_every_parameter(policy_dp2)
     assert set(merged) == set(state)  # the tied lm_head too: vLLM keeps it apart from the embeddings
     for name, tensor in merged.items():
         torch.testing.assert_close(tensor, state[name])
-    assert policy_dp2.run("weight_broadcast_spec")[0] == broadcast_spec(groups)  # what a broadcast sends
+    assert policy_dp2.run("weight_stream_spec")[0] == stream_spec(groups)  # what a broadcast sends
     from_store = ray.get(policy_dp2.full_state_dict_ref())  # what the object-store sync sends
     assert set(from_store) == set(state)
     for name, tensor in from_store.items():
         torch.testing.assert_close(tensor, state[name])
+
+
+def test_share_weights_with_a_dead_engine_fails_its_rank_and_leaves_no_rank_in_a_collective(
+    policy_dp2, tiny_model_path
+):
+    client = InferenceEngineClient.from_config(
+        InferenceEngineConfig(backend="hf", device="cpu"), str(tiny_model_path)
+    )
+    engine = client.engines[0]
+    ray.kill(engine)
+    refs = [actor.share_weights.remote((engine,), 1) for actor in policy_dp2.actors]
+    assert ray.get(refs[1], timeout=60) is None  # rank 1 gathered every group although rank 0 failed
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(refs[0], timeout=120)
+    state = policy_dp2.full_state_dict()  # the next collective runs: the ranks are still in step
+    assert "lm_head.weight" in state
 
 
 def test_reference_worker_gives_the_policy_logprobs_at_init(ray_cluster, policy_dp2, tiny_model_path):
