@@ -1,4 +1,5 @@
-"""vLLM with tensor_parallel_size=2 (worker processes, the `mp` executor) on CPU: same contract, no orphans."""
+"""vLLM with tensor_parallel_size=2 (worker processes, the `mp` executor) on CPU: same contract, every weight
+sync path, no orphans."""
 
 import asyncio
 import os
@@ -10,7 +11,14 @@ import torch
 from skyrl.train.inference import SamplingParams
 from skyrl.train.inference.weights import stream_spec
 
-from .conftest import join_broadcast_sender, layer_groups, perturbed_copy, reference_logprobs, start_client
+from .conftest import (
+    join_broadcast_sender,
+    layer_groups,
+    perturbed_copy,
+    reference_logprobs,
+    share_from_driver,
+    start_client,
+)
 
 
 def test_tensor_parallel_engine_serves_updated_weights_and_shutdown_reaps_its_workers(
@@ -36,6 +44,12 @@ def test_tensor_parallel_engine_serves_updated_weights_and_shutdown_reaps_its_wo
         asyncio.run(client.broadcast_weights(stream_spec(groups), 2, lambda: sender.send.remote(groups)))
         out = asyncio.run(client.generate(prompt, SamplingParams(temperature=0.8, max_tokens=8, seed=0)))
         expected = reference_logprobs(perturbed_copy(reference_model, seed=5), prompt, out.response_ids, 0.8)
+        torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=0)
+        # shared memory: both worker processes map each group and load their shards from it
+        groups = layer_groups(perturbed_copy(reference_model, seed=6))
+        asyncio.run(client.share_weights(stream_spec(groups), 3, share_from_driver(groups, 3)))
+        out = asyncio.run(client.generate(prompt, SamplingParams(temperature=0.8, max_tokens=8, seed=0)))
+        expected = reference_logprobs(perturbed_copy(reference_model, seed=6), prompt, out.response_ids, 0.8)
         torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=0)
     finally:
         client.shutdown()
