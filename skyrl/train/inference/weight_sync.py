@@ -4,7 +4,7 @@ One process group, outside the trainer's own, joins the policy's rank 0 (rank 0)
 with the workers of every engine (ranks 1..): NCCL between GPUs, gloo on CPU,
 the same code. Weights travel one group at a time (a decoder layer, then the
 rest), so fused engine weights (q/k/v, gate/up) arrive together and an engine
-never holds more than one extra layer. The driver sends the `WeightSpec` (names,
+never holds more than one extra layer. The driver sends the `StreamSpec` (names,
 dtypes, shapes, in sending order) first; engines check it against their model,
 and only then does the broadcast start, so a bad update changes nothing.
 
