@@ -17,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from skyrl.train.config import CONFIG_DIR, SkyRLConfig, register_schema, validate_config
-from skyrl.train.overrides import check_overrides
+from skyrl.train.overrides import check_config_name, check_overrides
 from skyrl.train.utils.errors import ConfigError
 
 register_schema()
@@ -86,9 +86,28 @@ def _remove_unused_run_dir(run_dir: Path) -> None:
         parent.rmdir()
 
 
+def check_command_line(argv: list[str]) -> None:
+    """Check `--config-name` (a recipe in `--config-dir`, or the package's `config`) and the `key=value`
+    overrides before Hydra composes them; Hydra reports malformed flags itself."""
+    import contextlib
+    import io
+
+    from hydra._internal.utils import get_args_parser
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            args = get_args_parser().parse_args(argv)
+    except SystemExit:
+        return
+    recipes = Path(args.config_dir) if args.config_dir else None
+    if args.config_path is None:  # --config-path moves the primary folder: Hydra checks that one itself
+        check_config_name(args.config_name or "config", recipes, CONFIG_DIR)
+    check_overrides(args.overrides, CONFIG_DIR, *([recipes] if recipes else []))
+
+
 if __name__ == "__main__":
     try:
-        check_overrides(sys.argv[1:], CONFIG_DIR)
+        check_command_line(sys.argv[1:])
     except ConfigError as e:
         sys.exit(f"config error: {e}")
     main()

@@ -481,16 +481,25 @@ def register_schema() -> None:
     ConfigStore.instance().store(name="skyrl_schema", node=SkyRLConfig)
 
 
-def compose_config(overrides: list[str]) -> SkyRLConfig:
-    """The validated config for command-line style `overrides`, as `python -m skyrl.train` builds it."""
+def compose_config(
+    overrides: list[str], config_dir: str | Path | None = None, config_name: str = "config"
+) -> SkyRLConfig:
+    """The validated config for command-line style `overrides`, as `python -m skyrl.train` builds it;
+    with `config_dir` (e.g. the repository's `configs/`) and `config_name` a recipe, as
+    `python -m skyrl.train --config-dir DIR --config-name NAME` builds it."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from skyrl.train.overrides import check_overrides
+    from skyrl.train.overrides import check_config_name, check_overrides
 
-    check_overrides(overrides, CONFIG_DIR)
+    recipes = [Path(config_dir).resolve()] if config_dir is not None else []
+    check_config_name(config_name, recipes[0] if recipes else None, CONFIG_DIR)
+    check_overrides(overrides, CONFIG_DIR, *recipes)
     register_schema()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        cfg: SkyRLConfig = OmegaConf.to_object(compose("config", overrides=overrides))
+    # The recipe folder is the primary source, the package's tree (the recipes' `config`) is searched next;
+    # the CLI's --config-dir searches them the other way round, the same files while no recipe shadows `config`.
+    search = [f"hydra.searchpath=['file://{CONFIG_DIR}']"] if recipes else []
+    with initialize_config_dir(config_dir=str(recipes[0] if recipes else CONFIG_DIR), version_base=None):
+        cfg: SkyRLConfig = OmegaConf.to_object(compose(config_name, overrides=[*search, *overrides]))
     validate_config(cfg)
     return cfg

@@ -83,10 +83,15 @@ def _check_value(key: str, value: str) -> None:
         raise ConfigError(f"{key}={value!r} does not fit the schema ({reason}); {example}") from None
 
 
-def check_overrides(args: list[str], config_dir: Path) -> None:
+def check_overrides(args: list[str], config_dir: Path, *more_dirs: Path) -> None:
     """Raise `ConfigError` for the first `key=value` override that names no key, or a value of the
-    wrong type, or a preset (`algorithm=...`) that does not exist. Hydra's own flags are skipped."""
-    groups = {p.name: sorted(f.stem for f in p.glob("*.yaml")) for p in config_dir.iterdir() if p.is_dir()}
+    wrong type, or a preset (`algorithm=...`) that does not exist in the groups of `config_dir` or
+    `more_dirs` (a `--config-dir`). Hydra's own flags are skipped."""
+    groups: dict[str, list[str]] = {}
+    for d in (config_dir, *more_dirs):
+        for p in d.iterdir():
+            if p.is_dir():
+                groups[p.name] = sorted({*groups.get(p.name, []), *(f.stem for f in p.glob("*.yaml"))})
     for arg in args:
         if arg.startswith("-") or "=" not in arg:
             continue
@@ -102,3 +107,25 @@ def check_overrides(args: list[str], config_dir: Path) -> None:
             continue
         _check_key(key)
         _check_value(key, value)
+
+
+def check_config_name(name: str, config_dir: Path | None, base_dir: Path) -> None:
+    """Raise `ConfigError` unless `name` (`--config-name`) is a config in `base_dir` (the package's
+    tree) or a recipe in `config_dir` (`--config-dir`, e.g. the repository's `configs/`)."""
+    name = name.removesuffix(".yaml")
+    if config_dir is not None and not config_dir.is_dir():
+        raise ConfigError(
+            f"--config-dir {str(config_dir)!r} is not a directory (relative paths start at {Path.cwd()}); "
+            "run from the repository root, or give the path of its configs/ folder"
+        )
+    if any((d / f"{name}.yaml").is_file() for d in (base_dir, config_dir) if d is not None):
+        return
+    if config_dir is None:
+        raise ConfigError(
+            f"--config-name {name!r} is not a config of the package; recipes are in the repository's "
+            "configs/ folder: add --config-dir configs (from the repository root)"
+        )
+    recipes = sorted(p.stem for p in config_dir.glob("*.yaml"))
+    close = difflib.get_close_matches(name, recipes, n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    raise ConfigError(f"--config-name {name!r} is not a recipe in {config_dir}; {hint}recipes: {recipes}")
