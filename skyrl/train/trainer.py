@@ -40,16 +40,18 @@ from skyrl.train.config import SkyRLConfig
 from skyrl.train.dataset.preprocess import (
     collate_sequences,
     compute_prompt_mini_batch_boundaries,
+    mask_groups,
     trajectories_to_sequences,
 )
 from skyrl.train.dataset.prompt_dataset import PromptDataset, PromptLoader
-from skyrl.train.generator.rollout import Episode, GeneratorConfig, RolloutManager
+from skyrl.train.generator.rollout import Episode, GeneratorConfig, RolloutManager, rollout_metrics
 from skyrl.train.inference import InferenceEngineClient
 from skyrl.train.inference.weight_sync import WeightSyncGroup
 from skyrl.train.training_batch import TrainingInputBatch
 from skyrl.train.utils.errors import ConfigError
 from skyrl.train.utils.tracking import Tracker
 from skyrl.train.workers.actor_group import ActorGroup, create_placement_group, latest_checkpoint
+from skyrl.train.workers.dispatch import MeshDispatch, StagedMiniBatch
 from skyrl.train.workers.fsdp_worker import (
     CHECKPOINT_DONE,
     CriticWorker,
@@ -61,6 +63,7 @@ from skyrl.train.workers.fsdp_worker import (
 
 logger = logging.getLogger(__name__)
 TRAINER_STATE = "trainer_state.json"
+FORWARD_FIELDS = ["sequences", "attention_mask", "response_mask"]  # what every forward pass reads
 
 
 class Trainer:
@@ -78,6 +81,8 @@ class Trainer:
         t = cfg.trainer
         self.step = 0
         self.weight_version = 0
+        self._staged: dict[tuple, list[StagedMiniBatch]] = {}  # this step's staged mini-batches
+        self._dispatch_bytes = 0
         self._placement_groups: list[Any] = []
         random.seed(t.seed)
         np.random.seed(t.seed)
@@ -247,22 +252,20 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         timings: dict[str, float] = {}
         with _timer(timings, "generate"):
-            episodes, gen_metrics = self.generate()
+            episodes, excluded_uids, gen_metrics = self.generate()
         if self.colocated:  # the engines hand the accelerator to the workers (a no-op on CPU)
             asyncio.run(self.client.sleep())
+        self._staged, self._dispatch_bytes = {}, 0
         with _timer(timings, "batch"):
-            batch, uids = self.make_batch(episodes)
-            t, n = self.cfg.trainer, self.cfg.generator.n_samples_per_prompt
-            step_wise = self.cfg.generator.step_wise
-            policy_bounds = compute_prompt_mini_batch_boundaries(
-                uids, t.policy_mini_batch_size, t.train_batch_size, step_wise, n
-            )
+            batch = self.make_batch(episodes, excluded_uids)
+            policy_bounds = self._bounds(batch, self.cfg.trainer.policy_mini_batch_size)
         with _timer(timings, "forward"):
-            self.forward(batch, policy_bounds)
+            self.forward(batch)
         with _timer(timings, "advantages"):
             adv_metrics = self.compute_advantages(batch)
         with _timer(timings, "train"):
-            train_metrics = self.train(batch, policy_bounds)
+            train_metrics = self.train(batch)
+        self._staged = {}  # the object store frees them once no ref is left
         with _timer(timings, "sync"):
             if self.colocated:
                 asyncio.run(self.client.wake_up())
@@ -276,38 +279,61 @@ class Trainer:
             "perf/tokens_per_s": float(batch["attention_mask"].sum()) / sum(timings.values()),
             "batch/sequences": float(len(batch)),
             "batch/pad_fraction": pad_fraction(policy_bounds, self.policy.num_workers),
+            "dispatch/object_store_bytes": float(self._dispatch_bytes),
         }
 
-    def generate(self) -> tuple[list[Episode], dict[str, float]]:
-        """Episodes for one batch of prompts; with dynamic sampling, groups with equal rewards are
-        dropped and more prompts drawn (at most `max_sample_batches` draws)."""
+    def generate(self) -> tuple[list[Episode], set[str], dict[str, float]]:
+        """Episodes for one batch of prompts, the uids of the groups to leave out of the loss, and metrics.
+
+        With dynamic sampling, groups whose episodes all scored the same are set aside and more prompts
+        are drawn (at most `max_sample_batches` draws); if the batch is still short, set-aside groups
+        fill it and are left out of the loss. `zero_variance_filter` leaves out every such group. Both
+        decide per episode, on its total environment reward (before any KL penalty). `reward/*` and
+        `episode/*` describe the trained batch; figures over every draw go under `dynamic_sampling/`.
+        """
         a, t = self.cfg.trainer.algorithm, self.cfg.trainer
         n = self.cfg.generator.n_samples_per_prompt
+        filter_groups = a.dynamic_sampling == "filter"
         kept: list[list[Episode]] = []
-        dropped: list[list[Episode]] = []
-        metrics: dict[str, float] = {}
-        for draw in range(a.max_sample_batches if a.dynamic_sampling == "filter" else 1):
+        set_aside: list[list[Episode]] = []
+        drawn: list[Episode] = []
+        seconds = 0.0
+        for draw in range(a.max_sample_batches if filter_groups else 1):
             prompts = self.loader.next_batch()
-            uids = [f"s{self.step}d{draw}p{i}" for i in range(len(prompts))]
-            out = self.rollout.generate(prompts, uids)
-            if draw == 0:
-                metrics = out.metrics
-            groups = [out.episodes[i : i + n] for i in range(0, len(out.episodes), n)]
-            for group in groups:
-                equal = len({e.reward for e in group}) == 1
-                (dropped if a.dynamic_sampling == "filter" and equal else kept).append(group)
+            out = self.rollout.generate(prompts, [f"s{self.step}d{draw}p{i}" for i in range(len(prompts))])
+            seconds += out.metrics["timing/generate_s"]
+            drawn += out.episodes
+            for i in range(0, len(out.episodes), n):
+                group = out.episodes[i : i + n]
+                (set_aside if filter_groups and rewards_tie(group) else kept).append(group)
             if len(kept) >= t.train_batch_size:
                 break
-        if a.dynamic_sampling == "filter":
-            metrics["dynamic_sampling/draws"] = float(draw + 1)
-            metrics["dynamic_sampling/kept_groups"] = float(min(len(kept), t.train_batch_size))
-        groups = (kept + dropped)[: t.train_batch_size]  # short of groups: fill with the dropped ones
-        return [e for g in groups for e in g], metrics
+        groups = (kept + set_aside)[: t.train_batch_size]
+        episodes = [e for g in groups for e in g]
+        metrics = rollout_metrics(episodes, n, seconds)
+        excluded: set[str] = set()
+        if filter_groups:
+            fillers = groups[len(kept) :]
+            excluded = {g[0].trajectory.uid for g in fillers}
+            metrics |= {
+                "dynamic_sampling/draws": float(draw + 1),
+                "dynamic_sampling/kept_groups": float(len(groups) - len(fillers)),
+                "dynamic_sampling/filler_groups": float(len(fillers)),
+                "dynamic_sampling/reward_mean": float(np.mean([e.reward for e in drawn])),
+            }
+        if a.zero_variance_filter:
+            tied = {g[0].trajectory.uid for g in groups if rewards_tie(g)}
+            metrics["filter/zero_variance_groups"] = float(len(tied))
+            excluded |= tied
+        return episodes, excluded, metrics
 
-    def make_batch(self, episodes: list[Episode]) -> tuple[TrainingInputBatch, list[str]]:
+    def make_batch(self, episodes: list[Episode], excluded_uids: set[str]) -> TrainingInputBatch:
+        """The step's training rows; rows of the `excluded_uids` groups get loss mask 0."""
         seqs = trajectories_to_sequences([e.trajectory for e in episodes], self.cfg.generator.step_wise)
         batch = collate_sequences(seqs, self.tokenizer.pad_token_id)
-        return batch, batch.metadata["uids"]
+        if excluded_uids:
+            batch["loss_mask"] = mask_groups(batch["loss_mask"], batch.metadata["uids"], excluded_uids)
+        return batch
 
     def _bounds(self, batch: TrainingInputBatch, mini_batch_size: int) -> list[tuple[int, int]]:
         t = self.cfg.trainer
@@ -319,16 +345,42 @@ class Trainer:
             self.cfg.generator.n_samples_per_prompt,
         )
 
-    def forward(self, batch: TrainingInputBatch, bounds: list[tuple[int, int]]) -> None:
+    def _stage(
+        self, group: ActorGroup, batch: TrainingInputBatch, mini_batch_size: int
+    ) -> list[StagedMiniBatch]:
+        """`batch`'s forward fields staged for `group`, once per step per (DP size, boundaries): the
+        policy, reference and critic forwards and every epoch reuse the same objects."""
+        bounds = self._bounds(batch, mini_batch_size)
+        key = (group.num_workers, tuple(bounds))
+        if key not in self._staged:
+            t = self.cfg.trainer
+            self._staged[key] = group.stage(
+                batch.select(FORWARD_FIELDS), bounds, t.balance_dp, t.delay_split_by_dp
+            )
+            self._dispatch_bytes += sum(mini.nbytes for mini in self._staged[key])
+        return self._staged[key]
+
+    def _stage_fields(
+        self, group: ActorGroup, batch: TrainingInputBatch, mini_batch_size: int, fields: list[str]
+    ) -> list[StagedMiniBatch]:
+        """The staged forward fields plus `fields`, put once more with the same rows."""
+        staged = self._stage(group, batch, mini_batch_size)
+        extended = MeshDispatch.add_fields(staged, batch.select(fields))
+        self._dispatch_bytes += sum(b.nbytes - a.nbytes for a, b in zip(staged, extended, strict=True))
+        return extended
+
+    def forward(self, batch: TrainingInputBatch) -> None:
+        """Old policy logprobs, reference logprobs and critic values of every row, into `batch`."""
         t = self.cfg.trainer
-        args = (bounds, t.balance_dp, t.delay_split_by_dp)
-        batch["old_logprobs"] = self.policy.forward(batch, *args)["logprobs"]
+        batch["old_logprobs"] = self.policy.forward(
+            self._stage(self.policy, batch, t.policy_mini_batch_size)
+        )["logprobs"]
         if self.ref is not None:
-            batch["ref_logprobs"] = self.ref.forward(batch, *args)["logprobs"]
+            staged = self._stage(self.ref, batch, t.policy_mini_batch_size)
+            batch["ref_logprobs"] = self.ref.forward(staged)["logprobs"]
         if self.critic is not None:
-            batch["old_values"] = self.critic.forward(
-                batch, self._bounds(batch, t.critic_mini_batch_size), t.balance_dp, t.delay_split_by_dp
-            )["values"]
+            staged = self._stage(self.critic, batch, t.critic_mini_batch_size)
+            batch["old_values"] = self.critic.forward(staged)["values"]
 
     def compute_advantages(self, batch: TrainingInputBatch) -> dict[str, float]:
         a = self.cfg.trainer.algorithm
@@ -341,7 +393,8 @@ class Trainer:
                 rewards = apply_kl_penalty_to_rewards(
                     rewards, kl * batch["loss_mask"], self.kl_ctrl.value, batch["response_mask"]
                 )
-                self.kl_ctrl.update(metrics["kl/mean"], len(batch))
+                # trajectories, not rows: in step-wise mode rows depend on how many turns episodes took
+                self.kl_ctrl.update(metrics["kl/mean"], len(set(batch.metadata["trajectory_ids"])))
                 metrics["kl/coef"] = self.kl_ctrl.value
         options = {
             "gamma": a.gamma,
@@ -366,8 +419,6 @@ class Trainer:
             advantages, returns = get_advantage_estimator(a.advantage_estimator)(
                 rewards, batch["response_mask"], meta["uids"], values, **options
             )
-        if a.zero_variance_filter:
-            batch["loss_mask"] = batch["loss_mask"] * _has_reward_variance(rewards, meta["uids"])[:, None]
         batch["advantages"], batch["returns"] = advantages, returns
         metrics["advantages/mean"] = float(masked_mean(advantages, batch["loss_mask"]))
         # engine vs trainer logprobs of the same tokens: large means stale engine weights or a mismatch
@@ -376,21 +427,31 @@ class Trainer:
         metrics["batch/pad_free_tokens"] = float(batch["loss_mask"].sum())
         return metrics
 
-    def train(self, batch: TrainingInputBatch, bounds: list[tuple[int, int]]) -> dict[str, float]:
+    def train(self, batch: TrainingInputBatch) -> dict[str, float]:
+        """`update_epochs_per_batch` passes over the mini-batches: critic, then policy, one optimizer
+        step per mini-batch; metrics averaged over the steps."""
         t = self.cfg.trainer
+        policy_fields = ["loss_mask", "old_logprobs", "advantages"]
+        if t.algorithm.use_kl_loss:
+            policy_fields.append("ref_logprobs")
+        policy = self._stage_fields(self.policy, batch, t.policy_mini_batch_size, policy_fields)
+        critic = None
+        if self.critic is not None:
+            fields = ["loss_mask", "old_values", "returns"]
+            critic = self._stage_fields(self.critic, batch, t.critic_mini_batch_size, fields)
         history: list[dict[str, float]] = []
         critic_history: list[dict[str, float]] = []
         for _ in range(t.update_epochs_per_batch):
-            if self.critic is not None:
-                critic_bounds = self._bounds(batch, t.critic_mini_batch_size)
-                critic_history += self.critic.train(batch, critic_bounds, t.balance_dp, t.delay_split_by_dp)
-            history += self.policy.train(batch, bounds, t.balance_dp, t.delay_split_by_dp)
+            if critic is not None:
+                critic_history += self.critic.train(critic)
+            history += self.policy.train(policy)
         metrics = {f"policy/{k}": float(np.mean([h[k] for h in history])) for k in history[0]}
         metrics["policy/optimizer_steps"] = float(len(history))
         if critic_history:
             metrics |= {
                 f"critic/{k}": float(np.mean([h[k] for h in critic_history])) for k in critic_history[0]
             }
+            metrics["critic/optimizer_steps"] = float(len(critic_history))
         return metrics
 
     def sync_weights(self) -> None:
@@ -541,13 +602,9 @@ def _timer(timings: dict[str, float], name: str) -> Iterator[None]:
     timings[name] = time.perf_counter() - start
 
 
-def _has_reward_variance(rewards: torch.Tensor, uids: list[str]) -> torch.Tensor:
-    """1.0 for rows whose prompt group has rewards that differ, 0.0 otherwise."""
-    scores: dict[str, set[float]] = {}
-    totals = rewards.sum(-1).tolist()
-    for uid, score in zip(uids, totals, strict=True):
-        scores.setdefault(uid, set()).add(round(score, 6))
-    return torch.tensor([float(len(scores[u]) > 1) for u in uids])
+def rewards_tie(group: list[Episode]) -> bool:
+    """True when every episode of a prompt group has the same total reward (no learning signal)."""
+    return len({round(e.reward, 6) for e in group}) == 1
 
 
 def pad_fraction(bounds: list[tuple[int, int]], dp_size: int) -> float:

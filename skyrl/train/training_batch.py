@@ -15,6 +15,8 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
+from skyrl.train.utils.data import split_train_data_by_dp
+
 PAD_UID_PREFIX = "__pad__"
 # Row weights that must be zero on pad rows so they contribute nothing to any loss.
 PAD_ZEROED_FIELDS = ("loss_mask", "response_mask", "advantages")
@@ -54,6 +56,11 @@ class TensorList:
 Field = torch.Tensor | TensorList
 
 
+def _check_field(key: str, value: object) -> None:
+    if not isinstance(value, (torch.Tensor, TensorList)):
+        raise TypeError(f"field {key!r} must be a torch.Tensor or TensorList, got {type(value).__name__}")
+
+
 def _num_rows(value: Field) -> int:
     return value.shape[0] if isinstance(value, torch.Tensor) else len(value)
 
@@ -84,10 +91,7 @@ class TrainingInputBatch:
     def __init__(self, data: Mapping[str, Field], metadata: dict | None = None):
         self._data: dict[str, Field] = {}
         for key, value in data.items():
-            if not isinstance(value, (torch.Tensor, TensorList)):
-                raise TypeError(
-                    f"field {key!r} must be a torch.Tensor or TensorList, got {type(value).__name__}"
-                )
+            _check_field(key, value)
             self._data[key] = value
         counts = {key: _num_rows(value) for key, value in self._data.items()}
         if len(set(counts.values())) > 1:
@@ -108,6 +112,7 @@ class TrainingInputBatch:
         return self._data[key]
 
     def __setitem__(self, key: str, value: Field) -> None:
+        _check_field(key, value)
         if _num_rows(value) != self._batch_size and self._data:
             raise ValueError(
                 f"field {key!r} has {_num_rows(value)} rows but the batch has {self._batch_size}"
@@ -190,6 +195,40 @@ class TrainingInputBatch:
     def to(self, device: torch.device | str) -> TrainingInputBatch:
         return TrainingInputBatch({k: v.to(device) for k, v in self._data.items()}, self._copy_metadata())
 
+    def compact(self) -> TrainingInputBatch:
+        """The same rows whose tensors own exactly their bytes: a slice is a view that would pickle
+        (and `ray.put`) the whole storage it views, so such tensors are copied; others are shared."""
+
+        def own(t: torch.Tensor) -> torch.Tensor:
+            return t.clone() if t.untyped_storage().nbytes() > t.nbytes else t
+
+        data = {
+            k: TensorList([own(t) for t in v]) if isinstance(v, TensorList) else own(v)
+            for k, v in self._data.items()
+        }
+        return TrainingInputBatch(data, self._copy_metadata())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor fields (metadata not counted)."""
+        return sum(
+            sum(t.nbytes for t in v) if isinstance(v, TensorList) else v.nbytes for v in self._data.values()
+        )
+
+    @staticmethod
+    def merge(parts: Sequence[TrainingInputBatch]) -> TrainingInputBatch:
+        """One batch with the fields of all `parts`, which hold the same rows; metadata of the first.
+
+        `ValueError` when the parts differ in rows or share a field name.
+        """
+        data: dict[str, Field] = {}
+        for i, part in enumerate(parts):
+            repeated = sorted(set(part.keys()) & set(data))
+            if repeated:
+                raise ValueError(f"cannot merge: part {i} repeats the fields {repeated}")
+            data.update(part.items())
+        return TrainingInputBatch(data, parts[0]._copy_metadata())
+
     @staticmethod
     def cat(batches: Sequence[TrainingInputBatch]) -> TrainingInputBatch:
         """Rows of all batches in order. Fields must match; shared metadata comes from the first batch."""
@@ -254,3 +293,17 @@ def pad_training_input_batch(batch: TrainingInputBatch, pad_size: int) -> Traini
     padded = batch._with_rows(data, row_meta)
     padded.metadata["pad_size"] = pad_size
     return padded
+
+
+def partition_rows(batch: TrainingInputBatch, dp_size: int, balance: bool) -> list[list[int]]:
+    """Row indices of each DP rank, for a batch whose length is a multiple of `dp_size`.
+
+    The `partition`s of `split_train_data_by_dp` over the rows' attended tokens.
+    The driver-side split and the delayed split (each worker) both call this, and it
+    is deterministic, so every rank gets the same rows either way.
+    """
+    n = len(batch)
+    if n % dp_size != 0:
+        raise ValueError(f"a batch of {n} rows cannot be split over {dp_size} ranks; pad it first")
+    tokens = [seq[mask.bool()] for seq, mask in zip(batch["sequences"], batch["attention_mask"], strict=True)]
+    return [part["partition"] for part in split_train_data_by_dp({"tokens": tokens}, dp_size, balance)]

@@ -59,6 +59,32 @@ def test_setitem_with_wrong_row_count_names_the_field():
         batch["values"] = torch.zeros(3, 2)
 
 
+@pytest.mark.parametrize("value", [[1, 2, 3, 4], "abcd", None])
+def test_setitem_refuses_what_the_constructor_refuses(value):
+    batch = make_batch(4)
+    with pytest.raises(TypeError, match=r"field 'x' must be a torch\.Tensor or TensorList"):
+        batch["x"] = value
+
+
+def test_a_pickled_slice_carries_only_its_rows_once_compacted():
+    batch = TrainingInputBatch({"x": torch.zeros(1000, 100)})
+    view = batch.slice(0, 10)
+    assert len(pickle.dumps(view)) > 100 * view.nbytes  # torch pickles the whole viewed storage
+    compact = view.compact()
+    assert len(pickle.dumps(compact)) < 2 * compact.nbytes
+    assert torch.equal(compact["x"], view["x"]) and compact.nbytes == 10 * 100 * 4
+
+
+def test_merge_joins_the_fields_of_the_same_rows_and_refuses_repeats():
+    a, b = make_batch(3).select(["sequences"]), TrainingInputBatch({"extra": torch.ones(3, 1)})
+    merged = TrainingInputBatch.merge([a, b])
+    assert set(merged.keys()) == {"sequences", "extra"} and merged.metadata == a.metadata
+    with pytest.raises(ValueError, match="repeats the fields"):
+        TrainingInputBatch.merge([a, a])
+    with pytest.raises(ValueError, match="different row counts"):
+        TrainingInputBatch.merge([a, TrainingInputBatch({"extra": torch.ones(2, 1)})])
+
+
 def test_slice_keeps_rows_and_per_row_metadata_and_shared_metadata():
     batch = make_batch(5)
     part = batch.slice(1, 4)

@@ -40,6 +40,13 @@ def get_advantage_estimator(name: str) -> AdvantageEstimator:
     return ADVANTAGE_ESTIMATORS.get(name)
 
 
+def _check_index(index: Sequence, rewards: torch.Tensor) -> None:
+    if len(index) != rewards.shape[0]:
+        raise ValueError(
+            f"index has {len(index)} entries but rewards has {rewards.shape[0]} rows; one per row"
+        )
+
+
 def _group_mean_and_size(scores: torch.Tensor, index: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row: the mean of `scores` over the row's group and the group's size."""
     group_of: dict = {}
@@ -90,6 +97,7 @@ def gae(
 
     Needs critic `values`; `index` is unused. Advantages are not whitened.
     """
+    _check_index(index, rewards)
     if values is None:
         raise ValueError("advantage estimator 'gae' needs critic values; enable the critic or pick 'grpo'")
     mask = response_mask.to(rewards.dtype)
@@ -115,6 +123,7 @@ def grpo(
     mean is subtracted (Dr. GRPO, Liu et al. 2025). A group of one row gets 0.
     Returns equal the advantages.
     """
+    _check_index(index, rewards)
     scores = rewards.sum(-1)
     mean, size = _group_mean_and_size(scores, index)
     advantages = scores - mean
@@ -138,6 +147,7 @@ def rloo(
 
     score = sum of the row's token rewards. A group of one row gets 0. Returns equal the advantages.
     """
+    _check_index(index, rewards)
     scores = rewards.sum(-1)
     mean, size = _group_mean_and_size(scores, index)
     baseline = (mean * size - scores) / (size - 1).clamp(min=1)
@@ -165,6 +175,7 @@ def reinforce_plus_plus(
     each row's group-mean score is first subtracted from its last response
     token's reward. Returns are the un-whitened G.
     """
+    _check_index(index, rewards)
     mask = response_mask.to(rewards.dtype)
     if group_baseline:
         mean, _ = _group_mean_and_size(rewards.sum(-1), index)

@@ -262,3 +262,11 @@ def compute_prompt_mini_batch_boundaries(
                     f"{mini_batch_size} * {n_samples_per_prompt} = {expected}"
                 )
     return boundaries
+
+
+def mask_groups(loss_mask: torch.Tensor, uids: Sequence[str], excluded: set[str]) -> torch.Tensor:
+    """A new `loss_mask` that is 0 on every row whose uid is in `excluded` (those prompt groups train nothing)."""
+    if len(uids) != loss_mask.shape[0]:
+        raise ValueError(f"uids has {len(uids)} entries but loss_mask has {loss_mask.shape[0]} rows")
+    keep = torch.tensor([uid not in excluded for uid in uids], dtype=loss_mask.dtype, device=loss_mask.device)
+    return loss_mask * keep[:, None]

@@ -105,40 +105,32 @@ class ActorGroup:
         collectives whose peers outside this group are awaited together with it)."""
         return asyncio.gather(*(getattr(actor, method).remote(*args) for actor in self.actors))
 
-    def _run_staged(
-        self, method: str, staged: StagedMiniBatch, balance: bool, delay_split: bool
-    ) -> list[Any]:
-        extra = {"dp_size": self.num_workers, "balance": balance} if delay_split else {}
+    def stage(
+        self,
+        data: TrainingInputBatch,
+        mini_batch_boundaries: Sequence[tuple[int, int]],
+        balance: bool = False,
+        delay_split: bool = False,
+    ) -> list[StagedMiniBatch]:
+        """`data`'s mini-batches in the object store, split for this group's ranks (`MeshDispatch`)."""
+        return MeshDispatch.stage_chunks(self.num_workers, data, mini_batch_boundaries, balance, delay_split)
+
+    def _run_staged(self, method: str, mini: StagedMiniBatch) -> list[Any]:
+        extra = {"dp_size": self.num_workers, "balance": mini.balance} if mini.delayed else {}
         return self._get(
-            [getattr(actor, method).remote(staged[rank], **extra) for rank, actor in enumerate(self.actors)]
+            [
+                getattr(actor, method).remote(*mini.refs(rank), **extra)
+                for rank, actor in enumerate(self.actors)
+            ]
         )
 
-    def forward(
-        self,
-        data: TrainingInputBatch,
-        mini_batch_boundaries: Sequence[tuple[int, int]],
-        balance: bool = False,
-        delay_split: bool = False,
-    ) -> TrainingInputBatch:
-        """Per-row forward outputs (`logprobs` or `values`) for `data`, staged per mini-batch, pads removed."""
-        staged = MeshDispatch.stage_chunks(
-            self.num_workers, data, mini_batch_boundaries, balance, delay_split
-        )
-        outputs = [self._run_staged("forward", mini, balance, delay_split) for mini in staged]
-        return MeshDispatch.gather(staged, outputs)
+    def forward(self, staged: Sequence[StagedMiniBatch]) -> TrainingInputBatch:
+        """Per-row forward outputs (`logprobs` or `values`) of the staged rows, in order, pads removed."""
+        return MeshDispatch.gather(staged, [self._run_staged("forward", mini) for mini in staged])
 
-    def train(
-        self,
-        data: TrainingInputBatch,
-        mini_batch_boundaries: Sequence[tuple[int, int]],
-        balance: bool = False,
-        delay_split: bool = False,
-    ) -> list[dict[str, float]]:
-        """One optimizer step per mini-batch; rank 0's metrics of each step."""
-        staged = MeshDispatch.stage_chunks(
-            self.num_workers, data, mini_batch_boundaries, balance, delay_split
-        )
-        return [self._run_staged("train_mini_batch", mini, balance, delay_split)[0] for mini in staged]
+    def train(self, staged: Sequence[StagedMiniBatch]) -> list[dict[str, float]]:
+        """One optimizer step per staged mini-batch; the metrics of each step (equal on every rank)."""
+        return [self._run_staged("train_mini_batch", mini)[0] for mini in staged]
 
     def save_checkpoint(self, path: str | Path) -> None:
         self.run("save_checkpoint", str(path))

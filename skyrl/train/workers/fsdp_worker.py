@@ -16,7 +16,7 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -39,14 +39,15 @@ from skyrl.train.algorithms import (
     iter_micro_batches,
     kl_penalty,
     loss_scale_for_reduction,
+    masked_mean,
     reduction_counts,
     value_loss,
 )
-from skyrl.train.inference.shared_weights import packed_nbytes, send_shared
-from skyrl.train.inference.weight_sync import WeightSyncGroup, init_sync_group, send_group
-from skyrl.train.inference.weights import StreamSpec, stream_spec
-from skyrl.train.training_batch import TrainingInputBatch
-from skyrl.train.workers.dispatch import partition_rows
+from skyrl.train.training_batch import TrainingInputBatch, partition_rows
+
+if TYPE_CHECKING:  # the weight-sync helpers import Ray: a worker loads them only when it syncs
+    from skyrl.train.inference.weight_sync import WeightSyncGroup
+    from skyrl.train.inference.weights import StreamSpec
 
 CHECKPOINT_DONE = "COMPLETE"
 Metrics = dict[str, torch.Tensor]
@@ -198,13 +199,16 @@ class FSDPWorker:
         return {"logprobs": logprobs}
 
     @torch.no_grad()
-    def forward(self, data: TrainingInputBatch, dp_size: int | None = None, balance: bool = False):
+    def forward(
+        self, *parts: TrainingInputBatch, dp_size: int | None = None, balance: bool = False
+    ) -> TrainingInputBatch:
         """Per-row outputs (`logprobs`, or `values` for the critic) of this rank's rows, in their order.
 
-        With `dp_size` set, `data` is a whole mini-batch and this rank takes its part
-        (the delayed split); otherwise `data` is already this rank's part.
+        `parts` hold different fields of the same rows (staged separately, see
+        `dispatch`). With `dp_size` set, they cover a whole mini-batch and this rank
+        takes its part (the delayed split); otherwise they are already this rank's part.
         """
-        data = self._own_part(data, dp_size, balance)
+        data = self._own_part(TrainingInputBatch.merge(parts), dp_size, balance)
         self.model.eval()
         outputs = [
             self._output(mb.to(self.device))
@@ -245,15 +249,21 @@ class FSDPWorker:
     # ---- broadcast weight sync ----
     def init_weight_sync(self, group: WeightSyncGroup) -> None:
         """Rank 0 joins the engines' weight-sync group as its sender (rank 0); other ranks do nothing."""
+        from skyrl.train.inference.weight_sync import init_sync_group
+
         if self.rank == 0:
             self._sync_group = init_sync_group(group, 0)
 
     def weight_stream_spec(self) -> StreamSpec:
         """What `broadcast_weights` and `share_weights` send, in order (full shapes; no communication)."""
+        from skyrl.train.inference.weights import stream_spec
+
         return stream_spec(self._param_groups())
 
     def broadcast_weights(self) -> None:
         """Collective over the ranks: gather one weight group at a time; rank 0 broadcasts it to the engines."""
+        from skyrl.train.inference.weight_sync import send_group
+
         for group in self.iter_weight_groups():
             if self.rank == 0:
                 send_group(self._sync_group, group.values())
@@ -263,6 +273,8 @@ class FSDPWorker:
         """Collective over the ranks: gather one weight group at a time; rank i hands it to `engines[i]`
         (colocated on its bundle) through shared memory and waits until it is loaded (see
         `shared_weights`); the last group carries `version`. Ranks without an engine only gather."""
+        from skyrl.train.inference.shared_weights import packed_nbytes, send_shared
+
         groups = self.iter_weight_groups()
         try:
             if self.rank < len(engines):
@@ -343,6 +355,53 @@ class FSDPWorker:
         return state
 
 
+class MetricTotals:
+    """Training metrics accumulated over micro-batches, then reduced over the DP ranks.
+
+    `loss` adds up (each micro-batch's loss is its share of the mini-batch loss);
+    other metrics are per-micro-batch statistics over its loss tokens: means are
+    weighted by those tokens, `*_max` / `*_min` take the extreme over micro-batches
+    that have any. A mini-batch without loss tokens reports 0.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.sums: dict[str, torch.Tensor] = {}
+        self.extremes: dict[str, torch.Tensor] = {}  # max of x for *_max, of -x for *_min
+
+    def add(self, loss: torch.Tensor, metrics: Metrics, loss_tokens: torch.Tensor) -> None:
+        tokens = loss_tokens.detach().double()
+        self._add("loss", loss.detach().double())
+        self._add("loss_tokens", tokens)
+        for key, value in metrics.items():
+            value = value.detach().double()
+            if key.endswith(("_max", "_min")):
+                signed = value if key.endswith("_max") else -value
+                best = self.extremes.get(
+                    key, torch.tensor(-math.inf, dtype=torch.float64, device=self.device)
+                )
+                self.extremes[key] = torch.where(tokens > 0, torch.maximum(best, signed), best)
+            else:
+                self._add(key, value * tokens)
+
+    def _add(self, key: str, value: torch.Tensor) -> None:
+        self.sums[key] = self.sums.get(key, 0.0) + value
+
+    def all_reduce(self) -> dict[str, float]:
+        """The mini-batch's metrics over every rank (collective: every rank must call it)."""
+        sums = torch.stack(list(self.sums.values())).to(self.device)
+        dist.all_reduce(sums)
+        totals = dict(zip(self.sums, sums.tolist(), strict=True))
+        tokens = totals.pop("loss_tokens")
+        result = {k: v if k == "loss" else v / max(tokens, 1.0) for k, v in totals.items()}
+        if self.extremes:
+            extremes = torch.stack(list(self.extremes.values())).to(self.device)
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+            for key, value in zip(self.extremes, extremes.tolist(), strict=True):
+                result[key] = (value if key.endswith("_max") else -value) if math.isfinite(value) else 0.0
+        return result
+
+
 class TrainableWorker(FSDPWorker, abc.ABC):
     """A worker with an optimizer: one optimizer step per mini-batch."""
 
@@ -355,24 +414,26 @@ class TrainableWorker(FSDPWorker, abc.ABC):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(opt))
 
     @abc.abstractmethod
-    def _loss(self, mb: TrainingInputBatch, scale: torch.Tensor) -> tuple[torch.Tensor, Metrics, Metrics]:
+    def _loss(self, mb: TrainingInputBatch, scale: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
         """The micro-batch's share of the mini-batch loss, sum(per-token loss * scale), and metrics.
 
-        Returns (loss, summed, averaged): `summed` metrics are scale-weighted sums that
-        add up exactly over micro-batches and ranks; `averaged` ones are per
-        micro-batch statistics, averaged over this rank's micro-batches.
+        Metrics are statistics over the micro-batch's loss tokens (`loss_mask`): means,
+        or extremes when the name ends in `_max` / `_min`.
         """
 
     def train_mini_batch(
-        self, data: TrainingInputBatch, dp_size: int | None = None, balance: bool = False
+        self, *parts: TrainingInputBatch, dp_size: int | None = None, balance: bool = False
     ) -> dict[str, float]:
         """One optimizer step on this rank's share of a mini-batch; returns mini-batch metrics.
 
-        The loss is summed over micro-batches with weights from mini-batch-wide counts
-        (all-reduced), and gradients are summed over ranks. Gradients are kept until
-        the next call (see `gradient_vector`).
+        `parts` hold different fields of the same rows (see `forward`). The loss is
+        summed over micro-batches with weights from mini-batch-wide counts
+        (all-reduced), and gradients are summed over ranks. Metrics cover every
+        micro-batch of every rank: `loss` is the mini-batch loss, means are weighted
+        by loss tokens, extremes reduced with max / min, so none depends on the DP or
+        micro-batch size. Gradients are kept until the next call (see `gradient_vector`).
         """
-        data = self._own_part(data, dp_size, balance)
+        data = self._own_part(TrainingInputBatch.merge(parts), dp_size, balance)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         counts = reduction_counts(data["loss_mask"]).to(self.device)
@@ -381,33 +442,22 @@ class TrainableWorker(FSDPWorker, abc.ABC):
         scale = loss_scale_for_reduction(
             data["loss_mask"], loss_cfg.loss_reduction, loss_cfg.max_seq_len, counts.cpu()
         )
-        data = TrainingInputBatch({**dict(data.items()), "loss_scale": scale.float()}, data.metadata)
+        data["loss_scale"] = scale.float()
         micro_batches = list(iter_micro_batches(data, self.cfg.micro_train_batch_size))
-        summed: dict[str, torch.Tensor] = {}
-        averaged: dict[str, float] = {}
+        totals = MetricTotals(self.device)
         for i, mb in enumerate(micro_batches):
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
             mb = mb.to(self.device)
-            loss, mb_summed, mb_averaged = self._loss(mb, mb["loss_scale"])
+            loss, metrics = self._loss(mb, mb["loss_scale"])
             loss.backward()
-            for k, v in {"loss": loss, **mb_summed}.items():
-                summed[k] = summed.get(k, 0.0) + v.detach().double()
-            for k, v in mb_averaged.items():
-                averaged[k] = averaged.get(k, 0.0) + v.item() / len(micro_batches)
+            totals.add(loss, metrics, mb["loss_mask"].sum())
         max_norm = self.cfg.optimizer.max_grad_norm if self.cfg.optimizer.max_grad_norm > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         self.optimizer.step()
         self.scheduler.step()
         self.global_step += 1
-        totals = torch.stack(list(summed.values()))
-        dist.all_reduce(totals)
-        return {
-            **dict(zip(summed, totals.tolist(), strict=True)),
-            **averaged,
-            "grad_norm": grad_norm.item(),
-            "lr": self.scheduler.get_last_lr()[0],
-        }
+        return {**totals.all_reduce(), "grad_norm": grad_norm.item(), "lr": self.scheduler.get_last_lr()[0]}
 
     def gradient_vector(self) -> torch.Tensor | None:
         """The full flattened gradient of the last mini-batch on rank 0 (collective; None elsewhere)."""
@@ -421,7 +471,7 @@ class TrainableWorker(FSDPWorker, abc.ABC):
 class PolicyWorker(TrainableWorker):
     """Policy: logprobs, and PPO-style updates with a registered policy loss (+ optional KL and entropy terms)."""
 
-    def _loss(self, mb: TrainingInputBatch, scale: torch.Tensor) -> tuple[torch.Tensor, Metrics, Metrics]:
+    def _loss(self, mb: TrainingInputBatch, scale: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
         cfg = self.cfg.loss
         logprobs, entropy = self._logprobs(mb)
         per_token, metrics = get_policy_loss(cfg.policy_loss)(
@@ -433,14 +483,14 @@ class PolicyWorker(TrainableWorker):
             eps_clip_high=cfg.eps_clip_high,
             clip_ratio_c=cfg.clip_ratio_c,
         )
-        summed = {"entropy": (entropy * scale).sum()}
+        metrics["entropy"] = masked_mean(entropy, mb["loss_mask"]).detach()
         if cfg.use_kl_loss:
             kl = kl_penalty(logprobs, mb["ref_logprobs"], cfg.kl_estimator) * mb["loss_mask"]
             per_token = per_token + cfg.kl_loss_coef * kl
-            summed["kl_loss"] = (kl * scale).sum()
+            metrics["kl_loss"] = masked_mean(kl, mb["loss_mask"]).detach()
         if cfg.entropy_coeff:
             per_token = per_token - cfg.entropy_coeff * entropy * mb["loss_mask"]
-        return (per_token * scale).sum(), summed, metrics
+        return (per_token * scale).sum(), metrics
 
 
 class RefWorker(FSDPWorker):
@@ -470,9 +520,9 @@ class CriticWorker(TrainableWorker):
     def _output(self, mb: TrainingInputBatch) -> dict[str, torch.Tensor]:
         return {"values": self._values(mb)}
 
-    def _loss(self, mb: TrainingInputBatch, scale: torch.Tensor) -> tuple[torch.Tensor, Metrics, Metrics]:
+    def _loss(self, mb: TrainingInputBatch, scale: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
         values = self._values(mb)
         per_token, metrics = value_loss(
             values, mb["old_values"], mb["returns"], mb["loss_mask"], self.cfg.loss.value_clip
         )
-        return (per_token * scale).sum(), {}, metrics
+        return (per_token * scale).sum(), metrics

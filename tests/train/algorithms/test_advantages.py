@@ -3,7 +3,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from skyrl.train.algorithms import compute_stepwise_advantages, gae, grpo, reinforce_plus_plus, rloo
+from skyrl.train.algorithms import (
+    compute_stepwise_advantages,
+    gae,
+    get_advantage_estimator,
+    grpo,
+    reinforce_plus_plus,
+    rloo,
+)
 
 
 def outcome_rewards(scores, length=3):
@@ -187,3 +194,10 @@ def test_grpo_gives_zero_not_nan_when_all_scores_in_a_group_are_equal():
     rewards, mask = outcome_rewards([1.0, 1.0, 1.0])
     advantages, _ = grpo(rewards, mask, ["p"] * 3)
     assert torch.equal(advantages, torch.zeros_like(advantages))
+
+
+@pytest.mark.parametrize("name", ["gae", "grpo", "rloo", "reinforce++"])
+def test_an_index_of_the_wrong_length_names_both_lengths(name):
+    rewards = torch.zeros(3, 2)
+    with pytest.raises(ValueError, match="index has 2 entries but rewards has 3 rows"):
+        get_advantage_estimator(name)(rewards, torch.ones(3, 2), ["a", "b"], torch.zeros(3, 2))

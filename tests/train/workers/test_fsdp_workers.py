@@ -6,6 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from scripts.check_dp_equivalence import (
+    METRICS,
     NUM_PROMPTS,
     relative_differences,
     stepwise_batch,
@@ -33,8 +34,10 @@ def dp1(ray_cluster, tiny_model_path):
 
 
 def assert_equivalent(a, b):
+    """Loss, gradients and every training metric (clip_frac, approx_kl, ratio_*, entropy) agree."""
     diffs = relative_differences(a, b)
     assert diffs["loss"] < 1e-5 and diffs["grad_norm"] < 1e-5 and diffs["gradient"] < 1e-5, diffs
+    assert max(diffs[k] for k in METRICS) < 1e-4, diffs
     assert diffs["param_update"] < 1e-4, diffs
 
 
@@ -42,7 +45,13 @@ def test_reference_run_actually_trains(dp1):
     assert dp1.num_mini_batches == 2
     assert all(n > 0 for n in dp1.grad_norms)
     assert dp1.update.norm() > 0
-    assert dp1.losses[0] != dp1.losses[1]
+    first, second = dp1.metrics
+    # the first mini-batch trains the weights that made the old logprobs: every ratio is 1
+    assert first["ratio_min"] == pytest.approx(1) and first["ratio_max"] == pytest.approx(1)
+    assert first["approx_kl"] == pytest.approx(0, abs=1e-7)
+    # the second comes after one optimizer step: the policy moved away from the old one
+    assert second["ratio_min"] < 0.99 < 1.01 < second["ratio_max"]
+    assert second["approx_kl"] > 1e-5
 
 
 def test_dp2_matches_dp1_on_padded_stepwise_mini_batches(dp1, tiny_model_path):
@@ -85,24 +94,24 @@ def test_delayed_split_gives_each_worker_the_rows_of_the_driver_side_split(polic
         for mini_eager, mini_delayed in zip(eager, delayed, strict=True):
             refs = [
                 actor.__ray_call__.remote(
-                    lambda w, data, b=balance: w._own_part(data, 2, b), mini_delayed[rank]
+                    lambda w, data, b=balance: w._own_part(data, 2, b), mini_delayed.refs(rank)[0]
                 )
                 for rank, actor in enumerate(policy_dp2.actors)
             ]
             for rank, own in enumerate(ray.get(refs, timeout=120)):
-                expected = ray.get(mini_eager[rank])
-                assert own.metadata["uids"] == expected.metadata["uids"], (balance, rank)
+                expected = ray.get(mini_eager.refs(rank)[0])
                 assert torch.equal(own["sequences"], expected["sequences"]), (balance, rank)
+                assert torch.equal(own["advantages"], expected["advantages"]), (balance, rank)
 
 
 def test_optimizer_steps_per_batch_are_prompt_mini_batches_times_epochs(policy_dp2, tiny_model_path):
     policy_dp2.run("init_model")
     batch, _ = stepwise_batch(512)
     bounds = compute_prompt_mini_batch_boundaries(batch.metadata["uids"], 1, NUM_PROMPTS, True, 2)
-    batch["old_logprobs"] = policy_dp2.forward(batch, bounds)["logprobs"]
+    batch["old_logprobs"] = policy_dp2.forward(policy_dp2.stage(batch, bounds))["logprobs"]
     epochs = 2
     for _ in range(epochs):
-        policy_dp2.train(batch, bounds)
+        policy_dp2.train(policy_dp2.stage(batch, bounds))
     assert global_step(policy_dp2) == NUM_PROMPTS // 1 * epochs
     assert len(batch) > NUM_PROMPTS * 2  # several turns per episode did not add steps
 
@@ -110,7 +119,7 @@ def test_optimizer_steps_per_batch_are_prompt_mini_batches_times_epochs(policy_d
 def test_forward_logprobs_match_a_plain_hf_forward_of_each_unpadded_row(policy_dp2, tiny_model_path):
     policy_dp2.run("init_model")
     batch, bounds = stepwise_batch(512)
-    logprobs = policy_dp2.forward(batch, bounds, balance=True)["logprobs"]
+    logprobs = policy_dp2.forward(policy_dp2.stage(batch, bounds, balance=True))["logprobs"]
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     for i in (0, 3, len(batch) - 1):
         tokens = batch["sequences"][i][batch["attention_mask"][i].bool()]
@@ -125,10 +134,10 @@ def test_forward_logprobs_match_a_plain_hf_forward_of_each_unpadded_row(policy_d
 def test_checkpoint_round_trip_resumes_exactly_and_skips_half_written(policy_dp2, tiny_model_path, tmp_path):
     policy_dp2.run("init_model")
     batch, bounds = stepwise_batch(512)
-    batch["old_logprobs"] = policy_dp2.forward(batch, bounds)["logprobs"]
-    policy_dp2.train(batch, bounds[:1])
+    batch["old_logprobs"] = policy_dp2.forward(policy_dp2.stage(batch, bounds))["logprobs"]
+    policy_dp2.train(policy_dp2.stage(batch, bounds[:1]))
     policy_dp2.save_checkpoint(tmp_path / "global_step_1")
-    (uninterrupted,) = policy_dp2.train(batch, bounds[1:])
+    (uninterrupted,) = policy_dp2.train(policy_dp2.stage(batch, bounds[1:]))
     expected = policy_dp2.full_state_dict()
 
     (tmp_path / "global_step_2.tmp").mkdir()  # a kill during the next save leaves this behind
@@ -145,7 +154,7 @@ def test_checkpoint_round_trip_resumes_exactly_and_skips_half_written(policy_dp2
     try:
         fresh.load_checkpoint(resume_from)
         assert global_step(fresh) == 1
-        (resumed,) = fresh.train(batch, bounds[1:])
+        (resumed,) = fresh.train(fresh.stage(batch, bounds[1:]))
         actual = fresh.full_state_dict()
     finally:
         fresh.kill()
@@ -210,12 +219,12 @@ def test_reference_worker_gives_the_policy_logprobs_at_init(ray_cluster, policy_
     pg = create_placement_group(1)
     ref = ActorGroup(RefWorker, WorkerConfig(model_path=str(tiny_model_path)), 1, pg)
     try:
-        ref_logprobs = ref.forward(batch, bounds)["logprobs"]
+        ref_logprobs = ref.forward(ref.stage(batch, bounds))["logprobs"]
     finally:
         ref.kill()
         ray.util.remove_placement_group(pg)
     torch.testing.assert_close(
-        ref_logprobs, policy_dp2.forward(batch, bounds)["logprobs"], rtol=1e-5, atol=1e-6
+        ref_logprobs, policy_dp2.forward(policy_dp2.stage(batch, bounds))["logprobs"], rtol=1e-5, atol=1e-6
     )
 
 
@@ -233,8 +242,8 @@ def test_critic_fits_returns_with_the_clipped_value_loss(ray_cluster, tiny_model
     try:
         losses = []
         for _ in range(6):
-            batch["old_values"] = critic.forward(batch, bounds)["values"]
-            losses.append(critic.train(batch, bounds)[0]["loss"])
+            batch["old_values"] = critic.forward(critic.stage(batch, bounds))["values"]
+            losses.append(critic.train(critic.stage(batch, bounds))[0]["loss"])
     finally:
         critic.kill()
         ray.util.remove_placement_group(pg)
