@@ -8,8 +8,10 @@ metrics.jsonl, TensorBoard logs, checkpoints, exported models, reward plot.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import sys
+import traceback
 from pathlib import Path
 
 import hydra
@@ -35,6 +37,27 @@ def start_ray(cfg: SkyRLConfig) -> None:
         ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="warning")
 
 
+def summary(cfg: SkyRLConfig, run_dir: Path, history: list[dict[str, float]]) -> str:
+    """First-step and final mean reward of the whole run (resumed parts included, from metrics.jsonl),
+    or of this process's steps when no JSONL log is kept."""
+    from skyrl.train.utils.tracking import read_metrics
+
+    if "jsonl" in cfg.trainer.logger:
+        steps = [r for r in read_metrics(run_dir) if "reward/mean" in r]
+        first = "first-step"
+    else:
+        steps = history
+        first = "first-step (of this process)"
+    if not steps:
+        return f"no training step ran; run directory {run_dir}"
+    rewards = [m["reward/mean"] for m in steps]
+    tail = rewards[-max(1, len(rewards) // 10) :]
+    return (
+        f"{first} mean reward {rewards[0]:.3f}, final mean reward (last {len(tail)} steps) "
+        f"{sum(tail) / len(tail):.3f}; run directory {run_dir}"
+    )
+
+
 def train(cfg: SkyRLConfig, run_dir: Path) -> list[dict[str, float]]:
     """Build the trainer in `run_dir`, resume if asked, train, and summarise the run."""
     from transformers import AutoTokenizer
@@ -49,13 +72,7 @@ def train(cfg: SkyRLConfig, run_dir: Path) -> list[dict[str, float]]:
         history = trainer.fit()
     finally:
         trainer.shutdown()
-    if history:
-        rewards = [m["reward/mean"] for m in history]
-        tail = rewards[-max(1, len(rewards) // 10) :]
-        print(
-            f"first-step mean reward {rewards[0]:.3f}, final mean reward (last {len(tail)} steps) "
-            f"{sum(tail) / len(tail):.3f}; run directory {run_dir}"
-        )
+    print(summary(cfg, run_dir, history))
     if "jsonl" in cfg.trainer.logger:
         print(f"reward plot: {plot_metrics(run_dir)}")
     return history
@@ -71,7 +88,37 @@ def main(dict_cfg: DictConfig) -> None:
         _remove_unused_run_dir(run_dir)
         sys.exit(f"config error: {e}")
     start_ray(cfg)
-    train(cfg, run_dir)
+    try:
+        train(cfg, run_dir)
+    except ConfigError as e:
+        sys.exit(f"config error: {e}")
+    except (Exception, KeyboardInterrupt) as e:
+        sys.exit(failure_report(cfg, run_dir, e, sys.argv[1:]))
+
+
+def failure_report(cfg: SkyRLConfig, run_dir: Path, error: BaseException, argv: list[str]) -> str:
+    """One paragraph for the console: what stopped the run, where its traceback is (`error.log` in the
+    run directory, written here) and the command that resumes it (or reruns it without a checkpoint)."""
+    from skyrl.train.workers.actor_group import latest_checkpoint
+
+    log = run_dir / "error.log"
+    log.write_text("".join(traceback.format_exception(error)))
+    if isinstance(error, KeyboardInterrupt):
+        what = "interrupted (Ctrl-C)"
+    else:
+        message = str(error).strip().splitlines()
+        what = f"{type(error).__name__}: {message[0] if message else ''}"
+    args = [a for a in argv if not a.startswith("hydra.run.dir=")]
+    command = shlex.join([sys.executable, "-m", "skyrl.train", *args, f"hydra.run.dir={run_dir}"])
+    checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    if checkpoint is not None:
+        resume = f"Resume from {checkpoint.name} with:\n  {command}"
+    else:
+        resume = (
+            f"No checkpoint was written (trainer.ckpt_interval={cfg.trainer.ckpt_interval}); this command "
+            f"starts it over:\n  {command}"
+        )
+    return f"training stopped: {what}\nFull traceback: {log}\n{resume}"
 
 
 def _remove_unused_run_dir(run_dir: Path) -> None:

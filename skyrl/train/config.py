@@ -363,8 +363,12 @@ def validate_config(cfg: SkyRLConfig) -> None:
         ("trainer.placement.policy_num_gpus_per_node", t.placement.policy_num_gpus_per_node),
     ]:
         _require(value > 0, f"{key}={value} must be positive, e.g. {key}=1.")
+    _require(
+        t.total_steps >= 0,
+        f"trainer.total_steps={t.total_steps} must be >= 0 (0 with trainer.eval_before_train=true only "
+        "evaluates), e.g. trainer.total_steps=100.",
+    )
     for key, value in [
-        ("trainer.total_steps", t.total_steps),
         ("trainer.eval_interval", t.eval_interval),
         ("trainer.ckpt_interval", t.ckpt_interval),
         ("trainer.hf_save_interval", t.hf_save_interval),

@@ -49,7 +49,7 @@ from skyrl.train.inference import InferenceEngineClient
 from skyrl.train.inference.weight_sync import WeightSyncGroup
 from skyrl.train.training_batch import TrainingInputBatch
 from skyrl.train.utils.errors import ConfigError
-from skyrl.train.utils.tracking import Tracker
+from skyrl.train.utils.tracking import METRICS_FILE, Tracker
 from skyrl.train.workers.actor_group import ActorGroup, create_placement_group, latest_checkpoint
 from skyrl.train.workers.dispatch import MeshDispatch, StagedMiniBatch
 from skyrl.train.workers.fsdp_worker import (
@@ -63,6 +63,7 @@ from skyrl.train.workers.fsdp_worker import (
 
 logger = logging.getLogger(__name__)
 TRAINER_STATE = "trainer_state.json"
+TIED_STEPS_WARNING = 5  # warn after this many steps without a group that has reward variance
 FORWARD_FIELDS = ["sequences", "attention_mask", "response_mask"]  # what every forward pass reads
 
 
@@ -77,12 +78,21 @@ class Trainer:
         datasets: tuple[PromptDataset, PromptDataset | None],
     ):
         self.cfg, self.run_dir, self.model_path = cfg, Path(run_dir), model_path
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         t = cfg.trainer
+        previous = latest_checkpoint(self.ckpt_root)
+        if t.resume_mode == "none" and previous is not None:
+            raise ConfigError(
+                f"trainer.resume_mode=none, but the run directory {self.run_dir} holds checkpoints of an earlier "
+                f"run (latest: {previous.name}); a new run there would delete or mix with them. Give the new run "
+                "a directory of its own (hydra.run.dir=...), continue the old one with trainer.resume_mode=latest, "
+                f"or delete {self.ckpt_root}."
+            )
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.step = 0
         self.weight_version = 0
         self._staged: dict[tuple, list[StagedMiniBatch]] = {}  # this step's staged mini-batches
         self._dispatch_bytes = 0
+        self._tied_steps = 0  # consecutive steps in which every group's rewards tied
         self._placement_groups: list[Any] = []
         random.seed(t.seed)
         np.random.seed(t.seed)
@@ -310,6 +320,28 @@ class Trainer:
                 break
         groups = (kept + set_aside)[: t.train_batch_size]
         episodes = [e for g in groups for e in g]
+        self._tied_steps = self._tied_steps + 1 if all(rewards_tie(g) for g in groups) else 0
+        if self._tied_steps == TIED_STEPS_WARNING:
+            logger.warning(
+                "for %d steps every prompt group's samples all got the same reward, so group-relative "
+                "advantages are 0 and the policy does not learn (grad_norm 0). Check the environment's rewards "
+                "and its action space (environment.config.<env>.allowed_tokens); sampling with more samples or "
+                "a higher temperature also helps.",
+                self._tied_steps,
+            )
+        failed = [e for e in drawn if e.stop_reason == "error"]
+        if failed:
+            logger.warning(
+                "step %d: %d of %d episodes failed in their environment (their turns are %s); first: %s: %s",
+                self.step + 1,
+                len(failed),
+                len(drawn),
+                "masked out of the loss"
+                if self.cfg.generator.env_failure == "mask"
+                else "trained with reward 0",
+                failed[0].trajectory.trajectory_id,
+                failed[0].error,
+            )
         metrics = rollout_metrics(episodes, n, seconds)
         excluded: set[str] = set()
         if filter_groups:
@@ -554,6 +586,11 @@ class Trainer:
         resumed = self.resume()
         if resumed:
             print(f"resumed from {resumed} at step {self.step}")
+        dropped = self.tracker.rewind(self.step)
+        if dropped:
+            print(
+                f"{METRICS_FILE}: dropped {dropped} records after step {self.step}, which this run logs again"
+            )
         if t.eval_before_train and self.step == 0:
             evaluation = self.evaluate()
             self.tracker.log(evaluation, self.step)
@@ -563,11 +600,17 @@ class Trainer:
         while self.step < t.total_steps:
             metrics = self.train_step()
             if t.eval_interval and self.step % t.eval_interval == 0:
-                metrics |= self.evaluate()
+                evaluation = self.evaluate()
+                metrics |= evaluation
+                progress.write(
+                    f"eval at step {self.step}: " + ", ".join(f"{k} {v:.3f}" for k, v in evaluation.items())
+                )
             if t.ckpt_interval and self.step % t.ckpt_interval == 0:
-                self.save_checkpoint()
+                progress.write(f"checkpoint: {self.save_checkpoint()}")
             if t.hf_save_interval and (self.step % t.hf_save_interval == 0 or self.step == t.total_steps):
-                self.policy.run("save_hf_model", str(self.run_dir / "hf_model" / f"global_step_{self.step}"))
+                export = self.run_dir / "hf_model" / f"global_step_{self.step}"
+                self.policy.run("save_hf_model", str(export))
+                progress.write(f"exported the policy (from_pretrained-ready): {export}")
             self.tracker.log(metrics, self.step)
             history.append(metrics)
             progress.update(1)

@@ -207,3 +207,45 @@ def test_start_ray_joins_the_running_cluster(ray_cluster, via: str):
         "cpus": ray.cluster_resources()["CPU"],
         "token": token,
     }
+
+
+def test_a_failed_run_prints_one_paragraph_with_the_command_that_reruns_it(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(
+        json.dumps({"prompt": "2 + 2?", "answer": "4"}) + "\n" + json.dumps({"answer": "5"}) + "\n"
+    )
+    run_dir = tmp_path / "run"
+    args = ["environment=math", f"data.train_path={data}", "ray.num_cpus=4", f"hydra.run.dir={run_dir}"]
+    result = subprocess.run(
+        [sys.executable, "-m", "skyrl.train", *args], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 1
+    assert (
+        "training stopped: ValueError:" in result.stderr
+        and "row 2 of 2 has no 'prompt' column" in result.stderr
+    )
+    assert "Traceback" not in result.stderr
+    assert f"Full traceback: {run_dir / 'error.log'}" in result.stderr
+    assert "Traceback" in (run_dir / "error.log").read_text()
+    assert "No checkpoint was written" in result.stderr and f"hydra.run.dir={run_dir}" in result.stderr
+
+
+def test_failure_report_names_the_checkpoint_a_rerun_resumes_from(tmp_path):
+    from skyrl.train.__main__ import failure_report
+
+    (tmp_path / "checkpoints" / "global_step_4").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "global_step_4" / "COMPLETE").touch()
+    report = failure_report(compose_config([]), tmp_path, KeyboardInterrupt(), ["trainer.total_steps=9"])
+    assert report.startswith("training stopped: interrupted (Ctrl-C)")
+    assert "Resume from global_step_4 with:" in report
+    assert report.endswith(f"-m skyrl.train trainer.total_steps=9 hydra.run.dir={tmp_path}")
+
+
+def test_summary_reports_the_first_step_of_the_whole_run_after_a_resume(tmp_path):
+    from skyrl.train.__main__ import summary
+
+    records = [{"step": s, "reward/mean": s / 10} for s in (1, 2, 3, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    resumed_history = records[2:]  # this process ran steps 3 and 4
+    line = summary(compose_config(["trainer.logger=[jsonl]"]), tmp_path, resumed_history)
+    assert line.startswith("first-step mean reward 0.100, final mean reward (last 1 steps) 0.400")

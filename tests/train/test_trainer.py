@@ -1,6 +1,7 @@
 """The whole loop on the tiny model: learning, resume, PPO with a critic, eval-only, a custom env."""
 
 import asyncio
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,9 @@ from skyrl.train.config import compose_config
 from skyrl.train.dataset.preprocess import Trajectory, Turn, mask_groups
 from skyrl.train.generator.rollout import Episode
 from skyrl.train.trainer import Trainer, load_datasets, rewards_tie
+from skyrl.train.utils.errors import ConfigError
 from skyrl.train.utils.tracking import read_metrics
+from skyrl.train.workers.actor_group import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 KV = "kv_cache_memory_bytes=67108864"
@@ -58,9 +61,9 @@ def test_resume_after_a_kill_continues_like_an_uninterrupted_run(ray_cluster, ti
     # keeps the advantages non-zero although the samples of a prompt are identical
     common = [*SMALL, "trainer.ckpt_interval=2", "algorithm=ppo", "generator.sampling.temperature=0"]
     straight = run([*common, "trainer.total_steps=4"], tmp_path / "straight", tiny_model_path)
-    # the same run, killed right after its step-2 checkpoint
-    run([*common, "trainer.total_steps=4"], tmp_path / "killed", tiny_model_path, stop_after=2)
-    (tmp_path / "killed" / "checkpoints" / "global_step_3.tmp").mkdir()  # a save cut short by the kill
+    # the same run, killed after step 3 (its last checkpoint is step 2's)
+    run([*common, "trainer.total_steps=4"], tmp_path / "killed", tiny_model_path, stop_after=3)
+    (tmp_path / "killed" / "checkpoints" / "global_step_4.tmp").mkdir()  # a save cut short by a kill
     resumed = run([*common, "trainer.total_steps=4"], tmp_path / "killed", tiny_model_path)
     assert len(resumed) == 2
     for a, b in zip(straight[2:], resumed, strict=True):
@@ -69,7 +72,19 @@ def test_resume_after_a_kill_continues_like_an_uninterrupted_run(ray_cluster, ti
         assert a["policy/loss"] == pytest.approx(b["policy/loss"], rel=1e-4, abs=1e-6)
         assert a["policy/grad_norm"] == pytest.approx(b["policy/grad_norm"], rel=1e-4, abs=1e-6)
         assert a["critic/loss"] == pytest.approx(b["critic/loss"], rel=1e-4, abs=1e-6)
-    assert [r["step"] for r in read_metrics(tmp_path / "killed")] == [1, 2, 3, 4]
+    # step 3 ran twice; the file keeps it once (the resumed run's)
+    lines = (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
+    assert json.loads(lines[2])["policy/loss"] == resumed[0]["policy/loss"]
+
+    # a new run must not start in a directory that holds another run's checkpoints
+    with pytest.raises(ConfigError, match=r"resume_mode=none, but the run directory .* global_step_4"):
+        run(
+            [*common, "trainer.total_steps=2", "trainer.resume_mode=none"],
+            tmp_path / "killed",
+            tiny_model_path,
+        )
+    assert latest_checkpoint(tmp_path / "killed" / "checkpoints").name == "global_step_4"
 
 
 def test_ppo_trains_a_critic(ray_cluster, tiny_model_path, tmp_path):
@@ -163,6 +178,7 @@ def test_custom_env_example_trains_by_config_only(tmp_path):
             "generator.max_turns=1",
             "generator.max_generate_length=4",
             "trainer.total_steps=2",
+            "trainer.hf_save_interval=2",
             *SMALL,
             "ray.num_cpus=4",
             f"hydra.run.dir={tmp_path}",
@@ -175,6 +191,10 @@ def test_custom_env_example_trains_by_config_only(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "first-step mean reward" in result.stdout
+    assert (
+        f"exported the policy (from_pretrained-ready): {tmp_path / 'hf_model' / 'global_step_2'}"
+        in result.stdout
+    )
     assert len(read_metrics(tmp_path)) == 2
     assert (tmp_path / "metrics.png").exists() and (tmp_path / ".hydra" / "config.yaml").exists()
 

@@ -46,10 +46,11 @@ def _messages(value: Any, where: str) -> list[dict[str, str]]:
 
 
 def parse_rows(records: Sequence[dict[str, Any]], source: str) -> list[PromptRow]:
-    """Validated `PromptRow`s; a row without a usable prompt raises `ValueError` naming `source` and its index."""
+    """Validated `PromptRow`s; a row without a usable prompt raises `ValueError` naming `source` and the row
+    (counted from 1, as a reader counts the records of a file)."""
     rows = []
     for i, record in enumerate(records):
-        where = f"{source} row {i}"
+        where = f"{source} row {i + 1} of {len(records)}"
         if not isinstance(record, dict) or "prompt" not in record:
             raise ValueError(
                 f"{where} has no 'prompt' column (columns: {sorted(record) if isinstance(record, dict) else record!r})"

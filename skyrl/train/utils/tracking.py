@@ -61,6 +61,18 @@ class Tracker:
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
 
+    def rewind(self, step: int) -> int:
+        """Drop the JSONL records after `step` (a resumed run logs those steps again); returns how many."""
+        if self._jsonl is None:
+            return 0
+        self._jsonl.close()
+        path = self.run_dir / METRICS_FILE
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        kept = [line for line in lines if json.loads(line)["step"] <= step]
+        path.write_text("".join(f"{line}\n" for line in kept))
+        self._jsonl = path.open("a")
+        return len(lines) - len(kept)
+
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()

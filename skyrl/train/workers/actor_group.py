@@ -28,8 +28,17 @@ from skyrl.train.workers.fsdp_worker import CHECKPOINT_DONE, FSDPWorker, WorkerC
 def create_placement_group(
     num_bundles: int, cpus_per_bundle: float = 1, gpus_per_bundle: float = 0, timeout_s: float = 60
 ) -> PlacementGroup:
-    """`num_bundles` bundles of {CPU, GPU}, packed; a clear error if Ray cannot place them in time."""
+    """`num_bundles` bundles of {CPU, GPU}, packed; a clear error at once when no node can hold one
+    bundle, or when Ray cannot place them all in time."""
     bundle = {"CPU": cpus_per_bundle, **({"GPU": gpus_per_bundle} if gpus_per_bundle else {})}
+    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+    if not any(all(node.get(k, 0) >= v for k, v in bundle.items()) for node in nodes):
+        largest = max(nodes, key=lambda n: (n.get("GPU", 0), n.get("CPU", 0)))
+        raise RuntimeError(
+            f"no node of the Ray cluster can hold one bundle of {bundle}: a bundle must fit on one node, and the "
+            f"largest has {{'CPU': {largest.get('CPU', 0)}, 'GPU': {largest.get('GPU', 0)}}} ({len(nodes)} nodes). "
+            "Lower trainer.placement.cpus_per_worker (the CPUs of each bundle), or add bigger nodes."
+        )
     pg = placement_group([dict(bundle) for _ in range(num_bundles)], strategy="PACK")
     try:
         ray.get(pg.ready(), timeout=timeout_s)

@@ -37,12 +37,12 @@ def test_a_row_without_a_usable_prompt_names_the_file_and_row(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(ROWS[0]) + "\n" + json.dumps({"question": "x"}) + "\n")
     with pytest.raises(
-        ValueError, match=r"bad.jsonl row 1 has no 'prompt' column \(columns: \['question'\]\)"
+        ValueError, match=r"bad.jsonl row 2 of 2 has no 'prompt' column \(columns: \['question'\]\)"
     ):
         PromptDataset.from_path(str(path))
-    with pytest.raises(ValueError, match=r"src row 0: 'prompt' must be a non-empty string or a list"):
+    with pytest.raises(ValueError, match=r"src row 1 of 1: 'prompt' must be a non-empty string or a list"):
         parse_rows([{"prompt": [{"role": "user"}]}], "src")
-    with pytest.raises(ValueError, match="src row 0: 'prompt' must be"):
+    with pytest.raises(ValueError, match="src row 1 of 1: 'prompt' must be"):
         parse_rows([{"prompt": ""}], "src")
 
 

@@ -255,3 +255,8 @@ def test_critic_fits_returns_with_the_clipped_value_loss(ray_cluster, tiny_model
 def test_placement_group_that_cannot_fit_names_the_missing_resources(ray_cluster):
     with pytest.raises(RuntimeError, match=r"could not place 100 bundles of \{'CPU': 1\}.*free"):
         create_placement_group(100, timeout_s=2)
+
+
+def test_a_bundle_no_node_can_hold_fails_at_once_naming_the_largest_node(ray_cluster):
+    with pytest.raises(RuntimeError, match=r"no node .* can hold one bundle of \{'CPU': 100\}.*largest has"):
+        create_placement_group(1, cpus_per_bundle=100, timeout_s=600)
