@@ -36,7 +36,6 @@ from skyrl.train.algorithms import (
     kl_penalty,
     masked_mean,
 )
-from skyrl.train.config import SkyRLConfig
 from skyrl.train.dataset.preprocess import (
     collate_sequences,
     compute_prompt_mini_batch_boundaries,
@@ -46,6 +45,7 @@ from skyrl.train.dataset.prompt_dataset import PromptDataset, PromptLoader
 from skyrl.train.generator.rollout import Episode, GeneratorConfig, RolloutManager
 from skyrl.train.inference import InferenceEngineClient
 from skyrl.train.inference.weight_sync import WeightSyncGroup
+from skyrl.train.schema import SkyRLConfig
 from skyrl.train.training_batch import TrainingInputBatch
 from skyrl.train.utils.errors import ConfigError
 from skyrl.train.utils.tracking import Tracker
