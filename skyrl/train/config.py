@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from skyrl.train.overrides import check_overrides
-from skyrl.train.schema import SkyRLConfig
+from skyrl.train.schema import ENV_FAILURE_MODES, SkyRLConfig
 from skyrl.train.utils.errors import ConfigError
 
 
@@ -257,6 +257,11 @@ def validate_config(cfg: SkyRLConfig) -> None:
     _require(
         0 <= g.max_env_failure_fraction <= 1,
         f"generator.max_env_failure_fraction={g.max_env_failure_fraction} must be in [0, 1], e.g. 0.5.",
+    )
+    _require(
+        g.env_failure in ENV_FAILURE_MODES,
+        f"generator.env_failure={g.env_failure!r} is not one of {list(ENV_FAILURE_MODES)}: mask leaves an "
+        "episode whose environment raised out of the loss, zero_reward trains on it with reward 0.",
     )
     _known("environment.env_class", cfg.environment.env_class, resolve_env)
     for key, path in [("data.train_path", d.train_path), ("data.eval_path", d.eval_path)]:

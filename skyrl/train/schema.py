@@ -237,13 +237,18 @@ class HTTPEndpointConfig(OpenAIServerConfig):
     enabled: bool = False
 
 
+ENV_FAILURE_MODES = ("mask", "zero_reward")
+
+
 @dataclass
 class GeneratorConfig:
     """The rollout manager's settings (it receives this section) and the engines' (`inference_engine`).
 
     `max_input_length` bounds an episode's whole context, `max_generate_length` one turn.
     `allowed_tokens`: each entry one token of the model's tokenizer; the model may only
-    generate these (an action space).
+    generate these (an action space). `env_failure`: what an episode whose environment
+    raised trains on: `mask` (its turns get loss mask 0) or `zero_reward` (reward 0,
+    trained on like any other episode).
     """
 
     n_samples_per_prompt: int = 8
@@ -258,6 +263,7 @@ class GeneratorConfig:
     http_endpoint: HTTPEndpointConfig = field(default_factory=HTTPEndpointConfig)
     env_workers: int = 8  # threads that run environment calls
     max_env_failure_fraction: float = 0.5
+    env_failure: str = "mask"  # one of ENV_FAILURE_MODES
 
 
 # ---------------------------------------------------------------------------

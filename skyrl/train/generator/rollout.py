@@ -9,7 +9,10 @@ the chat-template delta of the appended messages (generation prompt included):
 
 Observation tokens are never trained on (loss mask 0); the response keeps the
 engine's token ids, never re-tokenised. An env that raises ends only its episode
-(reward 0, error recorded); the batch fails only above `max_env_failure_fraction`.
+(reward 0, error recorded, counted in `episode/env_failures`); with
+`generator.env_failure=mask` (the default) its turns also get loss mask 0, so the
+policy is not trained on the environment's bug. The batch fails only above
+`max_env_failure_fraction`.
 """
 
 from __future__ import annotations
@@ -239,6 +242,8 @@ class RolloutManager:
         except EnvFailure as e:  # ends this episode only, scored 0
             for finished in turns:
                 finished.reward = 0.0
+                if self.cfg.env_failure == "mask":
+                    finished.loss_mask = [0] * len(finished.loss_mask)
             return Episode(
                 Trajectory(uid, trajectory_id, turns or self._empty_turn(row)), "error", 0.0, str(e)
             )

@@ -107,15 +107,23 @@ def test_builtin_env_from_config_runs(hf_client, tokenizer):
     assert {"reward/mean", "reward/pass@2", "env/guesses", "timing/generate_s"} <= set(out.metrics)
 
 
-def test_a_crashing_env_fails_its_episode_only(hf_client, tokenizer):
-    out = manager(hf_client, tokenizer, env_class=FLAKY).generate(PROMPTS)
+@pytest.mark.parametrize("mode", ["mask", "zero_reward"])
+def test_a_crashing_env_fails_its_episode_only(hf_client, tokenizer, mode):
+    """Default `mask`: the failed episodes' turns leave the loss; `zero_reward` trains on them with reward 0."""
+    out = manager(hf_client, tokenizer, env_class=FLAKY, env_failure=mode).generate(PROMPTS)
     good, bad = out.episodes[:3], out.episodes[3:]
     assert all(e.stop_reason == "done" and e.reward == 1.0 for e in good)
+    assert all(t.loss_mask == [1] * len(t.response_ids) for e in good for t in e.trajectory.turns)
     for e in bad:
         assert e.stop_reason == "error" and e.reward == 0.0 and "simulated env crash" in e.error
-        assert all(t.reward == 0.0 for t in e.trajectory.turns)
+        (turn,) = e.trajectory.turns  # FlakyEnv raises on its second step: one generated turn
+        assert turn.reward == 0.0 and len(turn.response_ids) > 0
+        assert turn.loss_mask == [0 if mode == "mask" else 1] * len(turn.response_ids)
     assert out.metrics["episode/env_failures"] == 3.0
     assert out.metrics["reward/mean"] == 0.5
+    sequences = trajectories_to_sequences(out.trajectories, step_wise=True)
+    trained = {s.trajectory_id for s in sequences if any(s.loss_mask)}
+    assert trained == {e.trajectory.trajectory_id for e in (good if mode == "mask" else out.episodes)}
 
 
 def test_too_many_env_failures_fail_the_step_quoting_the_error(hf_client, tokenizer):
