@@ -170,6 +170,11 @@ def validate_config(cfg: SkyRLConfig) -> None:
     from skyrl.train.utils.tracking import BACKENDS
 
     t, a, g, d = cfg.trainer, cfg.trainer.algorithm, cfg.generator, cfg.data
+    _require(
+        bool(t.policy.model.path),
+        f"trainer.policy.model.path={t.policy.model.path!r} must name a model directory or HF hub name "
+        "(or tiny for the default tiny model), e.g. trainer.policy.model.path=tiny.",
+    )
     for key, value in [
         ("trainer.update_epochs_per_batch", t.update_epochs_per_batch),
         ("generator.max_turns", g.max_turns),

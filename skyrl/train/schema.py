@@ -19,9 +19,10 @@ from typing import Any
 @dataclass
 class ModelConfig:
     """`path`: a local directory or HF hub name loaded with from_pretrained; `tiny` builds the
-    default tiny model locally (no network) and loads it from its cache directory."""
+    default tiny model locally (no network) and loads it from its cache directory. The reference
+    and critic default to null: the policy's model."""
 
-    path: str = "tiny"
+    path: str | None = "tiny"
 
 
 @dataclass
@@ -51,13 +52,17 @@ class PolicyConfig:
 
 @dataclass
 class RefConfig:
-    model: ModelConfig | None = None  # None: the policy's initial weights
+    model: ModelConfig = field(
+        default_factory=lambda: ModelConfig(path=None)
+    )  # null: the policy's initial weights
     cpu_offload: bool = False  # GPU only
 
 
 @dataclass
 class CriticConfig:
-    model: ModelConfig | None = None  # None: the policy's model with a fresh value head
+    model: ModelConfig = field(
+        default_factory=lambda: ModelConfig(path=None)
+    )  # null: the policy's, fresh value head
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=5e-6))
     cpu_offload: bool = False  # GPU only
 

@@ -45,7 +45,7 @@ from skyrl.train.dataset.prompt_dataset import PromptDataset, PromptLoader
 from skyrl.train.generator.rollout import Episode, RolloutManager, allowed_token_ids
 from skyrl.train.inference import InferenceEngineClient
 from skyrl.train.inference.weight_sync import WeightSyncGroup
-from skyrl.train.schema import ModelConfig, SkyRLConfig
+from skyrl.train.schema import SkyRLConfig
 from skyrl.train.training_batch import TrainingInputBatch
 from skyrl.train.utils.errors import ConfigError
 from skyrl.train.utils.tracking import Tracker
@@ -122,18 +122,17 @@ class Trainer:
             "allowed_token_ids": self.allowed_token_ids,
         }
 
-        def group(worker_cls: type[FSDPWorker], model: ModelConfig | None) -> ActorGroup:
-            path = resolve_model_path(model.path) if model else self.model_path
+        def group(worker_cls: type[FSDPWorker], model_path: str | None) -> ActorGroup:
+            # null: the policy's model, self.model_path (resolved by the caller)
+            path = resolve_model_path(model_path) if model_path else self.model_path
             size = p.dp_size(worker_cls.role)
             return ActorGroup(
                 worker_cls, t, path, size, shared or bundles(size), resource_fraction=fraction, **sampled_from
             )
 
-        self.policy = group(
-            PolicyWorker, None
-        )  # the policy's model is self.model_path, resolved by the caller
-        self.ref = group(RefWorker, t.ref.model) if self.use_ref else None
-        self.critic = group(CriticWorker, t.critic.model) if self.use_critic else None
+        self.policy = group(PolicyWorker, None)
+        self.ref = group(RefWorker, t.ref.model.path) if self.use_ref else None
+        self.critic = group(CriticWorker, t.critic.model.path) if self.use_critic else None
 
     def _start_engines(self) -> InferenceEngineClient:
         """The inference engines; colocated, engine i takes a fraction of the policy's bundle i and sleeps
