@@ -166,7 +166,7 @@ def validate_config(cfg: SkyRLConfig) -> None:
     from skyrl.envs import resolve as resolve_env
     from skyrl.train.algorithms import REDUCTIONS, get_advantage_estimator, get_policy_loss
     from skyrl.train.algorithms.losses import KL_ESTIMATORS
-    from skyrl.train.inference.config import validate_engine_config, validate_server_config
+    from skyrl.train.inference.config import validate_engine_config
     from skyrl.train.utils.tracking import BACKENDS
 
     t, a, g, d = cfg.trainer, cfg.trainer.algorithm, cfg.generator, cfg.data
@@ -294,8 +294,6 @@ def validate_config(cfg: SkyRLConfig) -> None:
         "sync needs each engine on its policy rank's node and GPU; use placement=colocated, or "
         "weight_sync=broadcast (or auto) for disaggregated engines.",
     )
-    if g.http_endpoint.enabled:
-        validate_server_config(g.http_endpoint)
 
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"

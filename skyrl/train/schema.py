@@ -223,7 +223,8 @@ class InferenceEngineConfig:
 
 @dataclass
 class OpenAIServerConfig:
-    """The OpenAI-compatible HTTP endpoint over the engines.
+    """The OpenAI-compatible HTTP endpoint over the engines (`OpenAIServer`; not part of the tree:
+    the trainer does not serve it).
 
     port 0 picks a free port. api_key None serves without authentication;
     otherwise requests need `Authorization: Bearer <api_key>`. served_model_name
@@ -235,11 +236,6 @@ class OpenAIServerConfig:
     api_key: str | None = None
     served_model_name: str | None = None
     default_max_tokens: int = 512
-
-
-@dataclass
-class HTTPEndpointConfig(OpenAIServerConfig):
-    enabled: bool = False
 
 
 ENV_FAILURE_MODES = ("mask", "zero_reward")
@@ -265,7 +261,6 @@ class GeneratorConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     eval_sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
     inference_engine: InferenceEngineConfig = field(default_factory=InferenceEngineConfig)
-    http_endpoint: HTTPEndpointConfig = field(default_factory=HTTPEndpointConfig)
     env_workers: int = 8  # threads that run environment calls
     max_env_failure_fraction: float = 0.5
     env_failure: str = "mask"  # one of ENV_FAILURE_MODES

@@ -195,12 +195,6 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "generator.inference_engine.weight_sync_timeout_s": (
         "generator.inference_engine.weight_sync_timeout_s=60",
     ),
-    "generator.http_endpoint.host": ("generator.http_endpoint.host=0.0.0.0",),
-    "generator.http_endpoint.port": ("generator.http_endpoint.port=8001",),
-    "generator.http_endpoint.api_key": ("generator.http_endpoint.api_key=secret",),
-    "generator.http_endpoint.served_model_name": ("generator.http_endpoint.served_model_name=m",),
-    "generator.http_endpoint.default_max_tokens": ("generator.http_endpoint.default_max_tokens=64",),
-    "generator.http_endpoint.enabled": ("generator.http_endpoint.enabled=true",),
     "generator.env_workers": ("generator.env_workers=2",),
     "generator.max_env_failure_fraction": ("generator.max_env_failure_fraction=0.25",),
     "generator.env_failure": ("generator.env_failure=zero_reward",),
@@ -209,9 +203,6 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "ray.address": ("ray.address=10.0.0.1:6379",),
     "ray.num_cpus": ("ray.num_cpus=3",),
 }
-
-# Keys no component reads (findings): the trainer never starts the OpenAI-compatible endpoint.
-UNREACHED = {k for k in OVERRIDES if k.startswith("generator.http_endpoint.")}
 
 # trainer.algorithm keys the workers' losses read (the trainer reads the others)
 LOSS_KEYS = {
@@ -406,8 +397,6 @@ def test_a_non_default_value_reaches_the_component_that_uses_it(key, build, file
     cfg, default = compose_config(overrides), compose_config(overrides[1:])
     value = select(cfg, key)
     assert value != select(default, key), f"{overrides[0]} is the default"
-    if key in UNREACHED:
-        pytest.xfail(f"{key} reaches no component (finding)")
     component = user(key)
     if component == "entry":
         ray_init = {}

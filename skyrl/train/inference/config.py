@@ -11,9 +11,9 @@ from skyrl.train.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-# Where these settings live in the config tree; error messages name keys under it.
+# What error messages name settings by: the engines' section of the config tree, the endpoint's dataclass.
 ENGINE_KEY = "generator.inference_engine"
-SERVER_KEY = "generator.http_endpoint"
+SERVER_KEY = "OpenAIServerConfig"
 
 BACKENDS = ("auto", "vllm", "hf")
 DEVICES = ("auto", "cpu", "cuda")
