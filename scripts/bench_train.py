@@ -18,10 +18,11 @@ import ray
 import torch
 
 from skyrl.train.dataset.preprocess import compute_prompt_mini_batch_boundaries
+from skyrl.train.schema import OptimizerConfig, PlacementConfig, PolicyConfig, TrainerConfig
 from skyrl.train.training_batch import TrainingInputBatch
 from skyrl.train.utils.tiny_model import create_tiny_model
 from skyrl.train.workers.actor_group import ActorGroup, create_placement_group
-from skyrl.train.workers.fsdp_worker import OptimizerConfig, PolicyWorker, WorkerConfig
+from skyrl.train.workers.fsdp_worker import PolicyWorker
 
 LR = 1e-5
 
@@ -77,9 +78,13 @@ def skyrl_steps(
     model_path: str, batch: TrainingInputBatch, micro: int, steps: int, threads: int
 ) -> tuple[float, int]:
     """Seconds per optimizer step through ActorGroup.train (dispatch, object store, FSDP2 worker), and its threads."""
-    cfg = WorkerConfig(model_path=model_path, optimizer=OptimizerConfig(lr=LR), micro_train_batch_size=micro)
+    cfg = TrainerConfig(
+        policy=PolicyConfig(optimizer=OptimizerConfig(lr=LR)),
+        micro_train_batch_size_per_gpu=micro,
+        placement=PlacementConfig(cpus_per_worker=threads),
+    )
     pg = create_placement_group(1, cpus_per_bundle=threads)
-    group = ActorGroup(PolicyWorker, cfg, 1, pg)
+    group = ActorGroup(PolicyWorker, cfg, model_path, 1, pg)
     bounds = compute_prompt_mini_batch_boundaries(batch.metadata["uids"], len(batch), len(batch), False, 1)
     try:
         actor_threads = ray.get(group.actors[0].__ray_call__.remote(lambda _: torch.get_num_threads()))

@@ -31,9 +31,10 @@ import torch.multiprocessing as mp
 
 from skyrl.train.inference import InferenceEngineClient, InferenceEngineConfig
 from skyrl.train.inference.weight_sync import WeightSyncGroup
+from skyrl.train.schema import TrainerConfig
 from skyrl.train.utils.tiny_model import create_tiny_model
 from skyrl.train.workers.actor_group import ActorGroup, create_placement_group, node_free_port
-from skyrl.train.workers.fsdp_worker import PolicyWorker, WorkerConfig
+from skyrl.train.workers.fsdp_worker import PolicyWorker
 
 
 def median_seconds(sync, repeats: int) -> float:
@@ -106,9 +107,8 @@ def main() -> None:
     )
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     ray.init(num_cpus=4, include_dashboard=False, logging_level="warning")
-    policy = ActorGroup(
-        PolicyWorker, WorkerConfig(model_path=model_path, num_threads=1), 1, create_placement_group(1)
-    )
+    # one torch thread (placement.cpus_per_worker=1, the default)
+    policy = ActorGroup(PolicyWorker, TrainerConfig(), model_path, 1, create_placement_group(1))
     engine_cfg = InferenceEngineConfig(backend=args.backend, device="cpu", kv_cache_memory_bytes=256 << 20)
     client = InferenceEngineClient.from_config(engine_cfg, model_path)
     num_params = sum(t.numel() for t in policy.full_state_dict().values())

@@ -27,9 +27,10 @@ from skyrl.train.dataset.preprocess import (
     compute_prompt_mini_batch_boundaries,
     trajectories_to_sequences,
 )
+from skyrl.train.schema import OptimizerConfig, PolicyConfig, TrainerConfig
 from skyrl.train.training_batch import TrainingInputBatch
 from skyrl.train.workers.actor_group import ActorGroup, create_placement_group
-from skyrl.train.workers.fsdp_worker import OptimizerConfig, PolicyWorker, WorkerConfig
+from skyrl.train.workers.fsdp_worker import PolicyWorker
 
 NUM_PROMPTS, SAMPLES, MINI_BATCH = 4, 2, 2
 # the policy's training metrics: token-weighted means and extremes over the whole mini-batch
@@ -86,15 +87,14 @@ def train_two_steps(
     """Two optimizer steps (one per mini-batch) on a fresh actor group of `dp_size` ranks."""
     from transformers import AutoConfig
 
-    cfg = WorkerConfig(
-        model_path=model_path,
-        optimizer=OptimizerConfig(lr=1e-3, max_grad_norm=1.0),
-        micro_train_batch_size=micro_batch_size,
-        micro_forward_batch_size=micro_batch_size,
+    cfg = TrainerConfig(
+        policy=PolicyConfig(optimizer=OptimizerConfig(lr=1e-3, max_grad_norm=1.0)),
+        micro_train_batch_size_per_gpu=micro_batch_size,
+        micro_forward_batch_size_per_gpu=micro_batch_size,
     )
     batch, bounds = stepwise_batch(AutoConfig.from_pretrained(model_path).vocab_size)
     pg = create_placement_group(dp_size)
-    group = ActorGroup(PolicyWorker, cfg, dp_size, pg)
+    group = ActorGroup(PolicyWorker, cfg, model_path, dp_size, pg)
     try:
         before = flat(group.full_state_dict())
         batch["old_logprobs"] = group.forward(group.stage(batch, bounds, balance, delay_split))["logprobs"]

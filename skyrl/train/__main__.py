@@ -18,8 +18,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from skyrl.train.config import CONFIG_DIR, SkyRLConfig, register_schema, validate_config
+from skyrl.train.config import CONFIG_DIR, register_schema, validate_config
 from skyrl.train.overrides import check_config_name, check_overrides
+from skyrl.train.schema import SkyRLConfig
 from skyrl.train.utils.errors import ConfigError
 
 register_schema()

@@ -1,19 +1,21 @@
-"""Configuration rules checked before anything starts.
+"""Configuration rules checked before anything starts, and the composed config.
 
-`validate_batch_sizes` holds every rule between batch sizes, sample counts and
-data-parallel sizes. Each failure is one `ConfigError` naming the config keys,
-their values and a valid nearby setting.
+The tree itself is `skyrl.train.schema`. `validate_config` checks a whole tree
+(`validate_batch_sizes` holds every rule between batch sizes, sample counts and
+data-parallel sizes); each failure is one `ConfigError` naming the config keys,
+their values and a valid nearby setting. `compose_config` builds the validated
+tree for command-line overrides, as `python -m skyrl.train` does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skyrl.train.inference.config import InferenceEngineConfig, OpenAIServerConfig
+from skyrl.train.overrides import check_config_name, check_overrides
+from skyrl.train.schema import ENV_FAILURE_MODES, SkyRLConfig
 from skyrl.train.utils.errors import ConfigError
-from skyrl.train.workers.fsdp_worker import OptimizerConfig
 
 
 @dataclass(frozen=True)
@@ -126,190 +128,6 @@ def validate_batch_sizes(cfg: BatchSizes) -> None:
 
 
 # ---------------------------------------------------------------------------
-# The config tree: typed schema behind `configs/` (registered in Hydra's ConfigStore).
-# ---------------------------------------------------------------------------
-
-
-@dataclass
-class ModelConfig:
-    """`path`: a local directory or HF hub name loaded with from_pretrained; `tiny` builds the
-    default tiny model locally (no network) and loads it from its cache directory."""
-
-    path: str = "tiny"
-
-
-@dataclass
-class PolicyConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-6, max_grad_norm=1.0))
-    bf16: bool = True  # GPU only; CPU trains in fp32
-    cpu_offload: bool = False  # GPU only
-
-
-@dataclass
-class RefConfig:
-    model: ModelConfig | None = None  # None: the policy's initial weights
-    cpu_offload: bool = False
-
-
-@dataclass
-class CriticConfig:
-    model: ModelConfig | None = None  # None: the policy's model with a fresh value head
-    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=5e-6, max_grad_norm=1.0))
-
-
-@dataclass
-class PlacementConfig:
-    """`colocate_all`: policy, reference, critic and engines share the same bundles (fractions of
-    each); otherwise every model gets bundles of its own. Sizes are nodes x GPUs (CPU bundles on CPU)."""
-
-    colocate_all: bool = True
-    policy_num_nodes: int = 1
-    policy_num_gpus_per_node: int = 1
-    critic_num_nodes: int = 1
-    critic_num_gpus_per_node: int = 1
-    ref_num_nodes: int = 1
-    ref_num_gpus_per_node: int = 1
-    cpus_per_worker: float = 1.0
-
-
-@dataclass
-class KLControlConfig:
-    type: str = "fixed"  # fixed | adaptive
-    kl_coef: float = 0.001
-    target_kl: float = 0.1
-    horizon: int = 10000
-
-
-@dataclass
-class AlgorithmConfig:
-    """Advantage estimator and losses; names are registry names or `package.module:function`."""
-
-    advantage_estimator: str = "grpo"
-    norm_adv_by_std_in_grpo: bool = True
-    gamma: float = 1.0
-    lambd: float = 1.0
-    group_baseline: bool = False  # reinforce++ only
-    policy_loss: str = "regular"
-    loss_reduction: str = "token_mean"
-    max_seq_len: int | None = None  # seq_mean_token_sum_norm
-    eps_clip_low: float = 0.2
-    eps_clip_high: float = 0.2
-    clip_ratio_c: float = 3.0
-    value_clip: float | None = 0.2
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_estimator: str = "k3"
-    use_kl_in_reward: bool = False
-    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
-    entropy_coeff: float = 0.0
-    dynamic_sampling: str | None = None  # filter: drop prompt groups whose rewards are all equal, draw more
-    max_sample_batches: int = 4  # draws per step with dynamic sampling
-    zero_variance_filter: bool = False  # train only on prompt groups with reward variance
-
-
-@dataclass
-class TrainerConfig:
-    seed: int = 42
-    total_steps: int = 100  # 0 with eval_before_train: evaluate only
-    train_batch_size: int = 16  # prompts per step
-    policy_mini_batch_size: int = 4  # prompts per optimizer step
-    critic_mini_batch_size: int = 4
-    micro_train_batch_size_per_gpu: int = 8  # sequences
-    micro_forward_batch_size_per_gpu: int = 16
-    update_epochs_per_batch: int = 1
-    balance_dp: bool = False  # assign sequences to DP ranks by token count (Karmarkar-Karp)
-    delay_split_by_dp: bool = False
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
-    ref: RefConfig = field(default_factory=RefConfig)
-    critic: CriticConfig = field(default_factory=CriticConfig)
-    placement: PlacementConfig = field(default_factory=PlacementConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
-    project_name: str = "skyrl"
-    run_name: str | None = None
-    eval_interval: int = 0  # steps; 0 disables
-    eval_before_train: bool = False
-    eval_n_samples: int = 4
-    ckpt_interval: int = 0  # steps; 0 disables
-    max_ckpts_to_keep: int = 2
-    resume_mode: str = "latest"  # latest | none | a checkpoint path
-    hf_save_interval: int = 0  # steps; 0 disables (the final model is always exported when > 0)
-
-
-@dataclass
-class SamplingConfig:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-
-
-@dataclass
-class HTTPEndpointConfig(OpenAIServerConfig):
-    enabled: bool = False
-
-
-@dataclass
-class GeneratorSectionConfig:
-    n_samples_per_prompt: int = 8
-    max_turns: int = 1
-    max_input_length: int = 1024
-    max_generate_length: int = 512
-    step_wise: bool = True
-    # each entry one token of the model's tokenizer: the model may only generate these (an action space)
-    allowed_tokens: list[str] | None = None
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    eval_sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
-    inference_engine: InferenceEngineConfig = field(default_factory=InferenceEngineConfig)
-    http_endpoint: HTTPEndpointConfig = field(default_factory=HTTPEndpointConfig)
-    env_workers: int = 8
-    max_env_failure_fraction: float = 0.5
-
-
-@dataclass
-class EnvironmentConfig:
-    """`env_class`: a registered env or `package.module:ClassName`; a dataset row's `env_class`
-    column overrides it. `config[name]` is passed to env `name` as its env_config."""
-
-    env_class: str = "guess_number"
-    config: dict[str, Any] = field(
-        default_factory=lambda: {
-            "guess_number": {"min_value": 1, "max_value": 8, "max_turns": 4, "shaped": False},
-            "calculator": {"max_turns": 4},
-            "math": {},
-        }
-    )
-
-
-@dataclass
-class DataConfig:
-    """`train_path` / `eval_path`: parquet or jsonl files (or HF dataset names); null generates
-    prompts for the environment when it has a generator (guess_number, calculator)."""
-
-    train_path: str | None = None
-    eval_path: str | None = None
-    num_generated_train_prompts: int = 4096
-    num_generated_eval_prompts: int = 64
-    max_prompt_length: int = 256
-    shuffle: bool = True
-
-
-@dataclass
-class RayConfig:
-    address: str | None = None  # null: RAY_ADDRESS if set, else start a local cluster
-    num_cpus: int | None = None  # local cluster only; null: max(4, cores)
-
-
-@dataclass
-class SkyRLConfig:
-    data: DataConfig = field(default_factory=DataConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    generator: GeneratorSectionConfig = field(default_factory=GeneratorSectionConfig)
-    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
-    ray: RayConfig = field(default_factory=RayConfig)
-
-
-# ---------------------------------------------------------------------------
 # Validation of the whole tree, before Ray starts.
 # ---------------------------------------------------------------------------
 
@@ -327,6 +145,7 @@ def _known(key: str, value: str, resolve: Any) -> None:
 
 
 def batch_sizes(cfg: SkyRLConfig) -> BatchSizes:
+    """The batch-size settings of `cfg`, with the data-parallel sizes its placement gives."""
     t, p = cfg.trainer, cfg.trainer.placement
     critic = t.algorithm.advantage_estimator == "gae"
     return BatchSizes(
@@ -335,12 +154,10 @@ def batch_sizes(cfg: SkyRLConfig) -> BatchSizes:
         micro_train_batch_size_per_gpu=t.micro_train_batch_size_per_gpu,
         micro_forward_batch_size_per_gpu=t.micro_forward_batch_size_per_gpu,
         n_samples_per_prompt=cfg.generator.n_samples_per_prompt,
-        policy_dp_size=p.policy_num_nodes * p.policy_num_gpus_per_node,
+        policy_dp_size=p.dp_size("policy"),
         step_wise=cfg.generator.step_wise,
         critic_mini_batch_size=t.critic_mini_batch_size if critic else None,
-        critic_dp_size=(p.policy_num_nodes * p.policy_num_gpus_per_node)
-        if p.colocate_all
-        else p.critic_num_nodes * p.critic_num_gpus_per_node,
+        critic_dp_size=p.dp_size("critic"),
     )
 
 
@@ -349,10 +166,15 @@ def validate_config(cfg: SkyRLConfig) -> None:
     from skyrl.envs import resolve as resolve_env
     from skyrl.train.algorithms import REDUCTIONS, get_advantage_estimator, get_policy_loss
     from skyrl.train.algorithms.losses import KL_ESTIMATORS
-    from skyrl.train.inference.config import validate_engine_config, validate_server_config
+    from skyrl.train.inference.config import validate_engine_config
     from skyrl.train.utils.tracking import BACKENDS
 
     t, a, g, d = cfg.trainer, cfg.trainer.algorithm, cfg.generator, cfg.data
+    _require(
+        bool(t.policy.model.path),
+        f"trainer.policy.model.path={t.policy.model.path!r} must name a model directory or HF hub name "
+        "(or tiny for the default tiny model), e.g. trainer.policy.model.path=tiny.",
+    )
     for key, value in [
         ("trainer.update_epochs_per_batch", t.update_epochs_per_batch),
         ("generator.max_turns", g.max_turns),
@@ -445,6 +267,11 @@ def validate_config(cfg: SkyRLConfig) -> None:
         0 <= g.max_env_failure_fraction <= 1,
         f"generator.max_env_failure_fraction={g.max_env_failure_fraction} must be in [0, 1], e.g. 0.5.",
     )
+    _require(
+        g.env_failure in ENV_FAILURE_MODES,
+        f"generator.env_failure={g.env_failure!r} is not one of {list(ENV_FAILURE_MODES)}: mask leaves an "
+        "episode whose environment raised out of the loss, zero_reward trains on it with reward 0.",
+    )
     _known("environment.env_class", cfg.environment.env_class, resolve_env)
     for key, path in [("data.train_path", d.train_path), ("data.eval_path", d.eval_path)]:
         local = path is not None and Path(path).suffix in (".parquet", ".jsonl", ".json")
@@ -471,8 +298,6 @@ def validate_config(cfg: SkyRLConfig) -> None:
         "sync needs each engine on its policy rank's node and GPU; use placement=colocated, or "
         "weight_sync=broadcast (or auto) for disaggregated engines.",
     )
-    if g.http_endpoint.enabled:
-        validate_server_config(g.http_endpoint)
 
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -493,8 +318,6 @@ def compose_config(
     `python -m skyrl.train --config-dir DIR --config-name NAME` builds it."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
-
-    from skyrl.train.overrides import check_config_name, check_overrides
 
     recipes = [Path(config_dir).resolve()] if config_dir is not None else []
     check_config_name(config_name, recipes[0] if recipes else None, CONFIG_DIR)

@@ -15,13 +15,8 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from skyrl.train.schema import SkyRLConfig
 from skyrl.train.utils.errors import ConfigError
-
-
-def _schema() -> Any:
-    from skyrl.train.config import SkyRLConfig
-
-    return SkyRLConfig
 
 
 def _all_keys(cls: Any, prefix: str = "") -> list[str]:
@@ -49,12 +44,12 @@ def _is_dict(cls: Any, name: str) -> bool:
 
 
 def _check_key(key: str) -> None:
-    cls, parts = _schema(), key.split(".")
+    cls, parts = SkyRLConfig, key.split(".")
     for i, part in enumerate(parts):
         names = [f.name for f in dataclasses.fields(cls)]
         if part not in names:
             parent = ".".join(parts[:i])
-            full = [k for k in _all_keys(_schema()) if k.count(".") == key.count(".")]
+            full = [k for k in _all_keys(SkyRLConfig) if k.count(".") == key.count(".")]
             close = difflib.get_close_matches(key, full, n=1) or [
                 f"{parent}.{m}" if parent else m for m in difflib.get_close_matches(part, names, n=1)
             ]
@@ -73,7 +68,7 @@ def _check_key(key: str) -> None:
 
 
 def _check_value(key: str, value: str) -> None:
-    base = OmegaConf.structured(_schema())
+    base = OmegaConf.structured(SkyRLConfig)
     try:
         OmegaConf.merge(base, OmegaConf.from_dotlist([f"{key}={value}"]))
     except OmegaConfBaseException as e:

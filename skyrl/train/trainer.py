@@ -16,7 +16,7 @@ import random
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,6 @@ from skyrl.train.algorithms import (
     kl_penalty,
     masked_mean,
 )
-from skyrl.train.config import SkyRLConfig
 from skyrl.train.dataset.preprocess import (
     collate_sequences,
     compute_prompt_mini_batch_boundaries,
@@ -44,22 +43,16 @@ from skyrl.train.dataset.preprocess import (
     trajectories_to_sequences,
 )
 from skyrl.train.dataset.prompt_dataset import PromptDataset, PromptLoader
-from skyrl.train.generator.rollout import Episode, GeneratorConfig, RolloutManager, rollout_metrics
+from skyrl.train.generator.rollout import Episode, RolloutManager, allowed_token_ids, rollout_metrics
 from skyrl.train.inference import InferenceEngineClient
 from skyrl.train.inference.weight_sync import WeightSyncGroup
+from skyrl.train.schema import SkyRLConfig
 from skyrl.train.training_batch import TrainingInputBatch
 from skyrl.train.utils.errors import ConfigError
 from skyrl.train.utils.tracking import METRICS_FILE, Tracker
 from skyrl.train.workers.actor_group import ActorGroup, create_placement_group, latest_checkpoint
 from skyrl.train.workers.dispatch import MeshDispatch, StagedMiniBatch
-from skyrl.train.workers.fsdp_worker import (
-    CHECKPOINT_DONE,
-    CriticWorker,
-    LossConfig,
-    PolicyWorker,
-    RefWorker,
-    WorkerConfig,
-)
+from skyrl.train.workers.fsdp_worker import CHECKPOINT_DONE, CriticWorker, FSDPWorker, PolicyWorker, RefWorker
 
 logger = logging.getLogger(__name__)
 TRAINER_STATE = "trainer_state.json"
@@ -115,37 +108,17 @@ class Trainer:
         self._build_workers()
         self.client = self._start_engines()
         self.weight_sync = self._init_weight_sync()
-        self.rollout = RolloutManager(
-            self.client, self.tokenizer, self._generator_config(cfg.generator.sampling)
-        )
+        self.rollout = RolloutManager(self.client, self.tokenizer, cfg.generator, cfg.environment)
         self.tracker = Tracker(
             t.logger, self.run_dir, t.project_name, t.run_name or self.run_dir.name, asdict(cfg)
         )
 
     # ---- construction ----
-    def _worker_config(self, path: str, optimizer=None, offload: bool = False) -> WorkerConfig:
-        t, a = self.cfg.trainer, self.cfg.trainer.algorithm
-        loss = LossConfig(**{f.name: getattr(a, f.name) for f in fields(LossConfig)})  # same keys
-        kwargs = {"optimizer": optimizer} if optimizer is not None else {}
-        return WorkerConfig(
-            model_path=path,
-            loss=loss,
-            micro_train_batch_size=t.micro_train_batch_size_per_gpu,
-            micro_forward_batch_size=t.micro_forward_batch_size_per_gpu,
-            temperature=self.cfg.generator.sampling.temperature or 1.0,
-            allowed_token_ids=list(self.allowed_token_ids) or None,
-            bf16=t.policy.bf16,
-            cpu_offload=offload,
-            seed=t.seed,
-            # colocated actors take turns, so each may use every core of its bundle
-            num_threads=max(1, int(t.placement.cpus_per_worker)),
-            **kwargs,
-        )
-
     def _build_workers(self) -> None:
+        """Policy, and ref / critic when the algorithm needs them: each an `ActorGroup` over the
+        `trainer` section with `placement.dp_size(role)` ranks, on shared bundles when colocated."""
         t, p = self.cfg.trainer, self.cfg.trainer.placement
         gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0  # the driver may sit on a CPU node
-        policy_size = p.policy_num_nodes * p.policy_num_gpus_per_node
         groups = [True, self.use_ref, self.use_critic, True]  # policy, ref, critic, inference engines
         fraction = 1.0 / sum(groups) if p.colocate_all else 1.0
         # what each colocated inference engine takes of its bundle
@@ -156,48 +129,25 @@ class Trainer:
             self._placement_groups.append(pg)
             return pg
 
-        shared = bundles(policy_size) if p.colocate_all else None
+        shared = bundles(p.dp_size("policy")) if p.colocate_all else None
         self._shared_pg = shared
+        # logprobs of the distribution the engines sample from (greedy sampling: the plain softmax)
+        sampled_from = {
+            "temperature": self.cfg.generator.sampling.temperature or 1.0,
+            "allowed_token_ids": self.allowed_token_ids,
+        }
 
-        def group(worker_cls: type, model: Any, num_nodes: int, gpus_per_node: int, **cfg: Any) -> ActorGroup:
-            path = resolve_model_path(model.path) if model else self.model_path
-            size = policy_size if p.colocate_all else num_nodes * gpus_per_node
+        def group(worker_cls: type[FSDPWorker], model_path: str | None) -> ActorGroup:
+            # null: the policy's model, self.model_path (resolved by the caller)
+            path = resolve_model_path(model_path) if model_path else self.model_path
+            size = p.dp_size(worker_cls.role)
             return ActorGroup(
-                worker_cls,
-                self._worker_config(path, **cfg),
-                size,
-                shared or bundles(size),
-                resource_fraction=fraction,
+                worker_cls, t, path, size, shared or bundles(size), resource_fraction=fraction, **sampled_from
             )
 
-        def steps(mini_batch_size: int) -> int:
-            # at least 1 so an eval-only run (total_steps=0) can still build a schedule
-            return max(1, t.total_steps * (t.train_batch_size // mini_batch_size) * t.update_epochs_per_batch)
-
-        t.policy.optimizer.total_steps = t.policy.optimizer.total_steps or steps(t.policy_mini_batch_size)
-        t.critic.optimizer.total_steps = t.critic.optimizer.total_steps or steps(t.critic_mini_batch_size)
-        self.policy = group(
-            PolicyWorker,
-            None,  # the policy's model is self.model_path, resolved by the caller
-            p.policy_num_nodes,
-            p.policy_num_gpus_per_node,
-            optimizer=t.policy.optimizer,
-            offload=t.policy.cpu_offload,
-        )
-        self.ref = None
-        if self.use_ref:
-            self.ref = group(
-                RefWorker, t.ref.model, p.ref_num_nodes, p.ref_num_gpus_per_node, offload=t.ref.cpu_offload
-            )
-        self.critic = None
-        if self.use_critic:
-            self.critic = group(
-                CriticWorker,
-                t.critic.model,
-                p.critic_num_nodes,
-                p.critic_num_gpus_per_node,
-                optimizer=t.critic.optimizer,
-            )
+        self.policy = group(PolicyWorker, None)
+        self.ref = group(RefWorker, t.ref.model.path) if self.use_ref else None
+        self.critic = group(CriticWorker, t.critic.model.path) if self.use_critic else None
 
     def _start_engines(self) -> InferenceEngineClient:
         """The inference engines; colocated, engine i takes a fraction of the policy's bundle i and sleeps
@@ -240,23 +190,6 @@ class Trainer:
             self.client.init_weight_sync(group, lambda: self.policy.run_async("init_weight_sync", group))
         )
         return mode
-
-    def _generator_config(self, sampling: Any, n_samples: int | None = None) -> GeneratorConfig:
-        g, env = self.cfg.generator, self.cfg.environment
-        return GeneratorConfig(
-            n_samples_per_prompt=n_samples or g.n_samples_per_prompt,
-            max_turns=g.max_turns,
-            max_input_length=g.max_input_length,
-            max_generate_length=g.max_generate_length,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            allowed_token_ids=self.allowed_token_ids,
-            env_class=env.env_class,
-            env_configs=dict(env.config),
-            env_workers=g.env_workers,
-            max_env_failure_fraction=g.max_env_failure_fraction,
-        )
 
     # ---- one step ----
     def train_step(self) -> dict[str, float]:
@@ -516,8 +449,7 @@ class Trainer:
             ("greedy", self.cfg.generator.eval_sampling, 1),
             ("sampled", self.cfg.generator.sampling, self.cfg.trainer.eval_n_samples),
         ):
-            manager = RolloutManager(self.client, self.tokenizer, self._generator_config(sampling, n))
-            out = manager.generate(prompts, [f"eval{i}" for i in range(len(prompts))])
+            out = self.rollout.generate(prompts, [f"eval{i}" for i in range(len(prompts))], sampling, n)
             metrics[f"eval/{name}/reward_mean"] = out.metrics["reward/mean"]
             metrics[f"eval/{name}/pass@{n}"] = out.metrics[f"reward/pass@{n}"]
         return metrics
@@ -654,20 +586,6 @@ def pad_fraction(bounds: list[tuple[int, int]], dp_size: int) -> float:
     """Share of the rows sent to the DP ranks that are padding (each mini-batch padded to a multiple of dp_size)."""
     pads = sum((start - end) % dp_size for start, end in bounds)
     return pads / (bounds[-1][1] - bounds[0][0] + pads)
-
-
-def allowed_token_ids(tokenizer: Any, tokens: list[str] | None) -> tuple[int, ...]:
-    """Token ids of `generator.allowed_tokens`; `ConfigError` unless each entry is exactly one token."""
-    ids = []
-    for text in tokens or []:
-        encoded = tokenizer.encode(text, add_special_tokens=False)
-        if len(encoded) != 1:
-            raise ConfigError(
-                f"generator.allowed_tokens entry {text!r} is {len(encoded)} tokens for this tokenizer; "
-                "each entry must be exactly one token (or set generator.allowed_tokens=null)"
-            )
-        ids += encoded
-    return tuple(ids)
 
 
 def resolve_model_path(path: str) -> str:

@@ -17,6 +17,7 @@ def test_default_config_is_the_cpu_demo():
     assert cfg.trainer.policy.model.path == "tiny"
     assert cfg.environment.env_class == "guess_number"
     assert cfg.generator.step_wise and cfg.trainer.algorithm.advantage_estimator == "grpo"
+    assert cfg.generator.env_failure == "mask"  # an episode whose env raised is not trained on
 
 
 @pytest.mark.parametrize(
@@ -115,6 +116,10 @@ BAD_CONFIGS = [
         r"weight_sync=ipc with trainer.placement.colocate_all=false.*use placement=colocated",
     ),
     (["trainer.total_steps=-1"], r"trainer.total_steps=-1 must be >= 0"),
+    (
+        ["generator.env_failure=skip"],
+        r"generator.env_failure='skip' is not one of \['mask', 'zero_reward'\]",
+    ),
 ]
 
 

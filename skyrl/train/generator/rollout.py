@@ -9,7 +9,10 @@ the chat-template delta of the appended messages (generation prompt included):
 
 Observation tokens are never trained on (loss mask 0); the response keeps the
 engine's token ids, never re-tokenised. An env that raises ends only its episode
-(reward 0, error recorded); the batch fails only above `max_env_failure_fraction`.
+(reward 0, error recorded, counted in `episode/env_failures`); with
+`generator.env_failure=mask` (the default) its turns also get loss mask 0, so the
+policy is not trained on the environment's bug. The batch fails only above
+`max_env_failure_fraction`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from skyrl.envs import BaseTextEnv, make
 from skyrl.train.dataset.preprocess import Trajectory, Turn
 from skyrl.train.dataset.prompt_dataset import PromptRow
 from skyrl.train.inference.engine import SamplingParams
+from skyrl.train.schema import EnvironmentConfig, GeneratorConfig, SamplingConfig
+from skyrl.train.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -36,22 +41,18 @@ class EnvFailure(Exception):
     """An environment raised; the episode ends with reward 0."""
 
 
-@dataclass
-class GeneratorConfig:
-    """Rollout settings; `max_input_length` bounds the whole context, `max_generate_length` one turn."""
-
-    n_samples_per_prompt: int = 4
-    max_turns: int = 4
-    max_input_length: int = 1024
-    max_generate_length: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    allowed_token_ids: tuple[int, ...] = ()  # non-empty: the model may only generate these tokens
-    env_class: str = "guess_number"  # a dataset row's env_class column overrides it
-    env_configs: dict[str, dict[str, Any]] = field(default_factory=dict)  # per env name
-    env_workers: int = 8
-    max_env_failure_fraction: float = 0.5
+def allowed_token_ids(tokenizer: Any, tokens: list[str] | None) -> tuple[int, ...]:
+    """Token ids of `generator.allowed_tokens`; `ConfigError` unless each entry is exactly one token."""
+    ids = []
+    for text in tokens or []:
+        encoded = tokenizer.encode(text, add_special_tokens=False)
+        if len(encoded) != 1:
+            raise ConfigError(
+                f"generator.allowed_tokens entry {text!r} is {len(encoded)} tokens for this tokenizer; "
+                "each entry must be exactly one token (or set generator.allowed_tokens=null)"
+            )
+        ids += encoded
+    return tuple(ids)
 
 
 @dataclass
@@ -120,43 +121,63 @@ class ChatTemplateDelta:
 
 
 class RolloutManager:
-    """Runs `n_samples_per_prompt` episodes per prompt concurrently against an engine client."""
+    """Runs `n_samples_per_prompt` episodes per prompt concurrently against an engine client.
 
-    def __init__(self, client: Any, tokenizer: Any, cfg: GeneratorConfig):
-        self.client, self.tokenizer, self.cfg = client, tokenizer, cfg
+    `cfg` is the `generator` section (its `inference_engine` part belongs to the engines),
+    `env` the `environment` section. `ConfigError` if an `allowed_tokens` entry is not one token.
+    """
+
+    def __init__(self, client: Any, tokenizer: Any, cfg: GeneratorConfig, env: EnvironmentConfig):
+        self.client, self.tokenizer, self.cfg, self.env = client, tokenizer, cfg, env
         self.template = ChatTemplateDelta(tokenizer)
+        self.allowed_token_ids = allowed_token_ids(tokenizer, cfg.allowed_tokens)
 
-    def _sampling(self, context_length: int) -> SamplingParams:
+    def _sampling(self, context_length: int, sampling: SamplingConfig) -> SamplingParams:
         budget = min(self.cfg.max_generate_length, self.cfg.max_input_length - context_length)
         return SamplingParams(
-            temperature=self.cfg.temperature,
-            top_p=self.cfg.top_p,
-            top_k=self.cfg.top_k,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
             max_tokens=budget,
-            allowed_token_ids=self.cfg.allowed_token_ids,
+            allowed_token_ids=self.allowed_token_ids,
         )
 
-    def generate(self, prompts: list[PromptRow], uids: list[str] | None = None) -> GeneratorOutput:
+    def generate(
+        self,
+        prompts: list[PromptRow],
+        uids: list[str] | None = None,
+        sampling: SamplingConfig | None = None,
+        n_samples_per_prompt: int | None = None,
+    ) -> GeneratorOutput:
         """Episodes for every prompt x sample, grouped by prompt; see `agenerate`."""
-        return asyncio.run(self.agenerate(prompts, uids))
+        return asyncio.run(self.agenerate(prompts, uids, sampling, n_samples_per_prompt))
 
-    async def agenerate(self, prompts: list[PromptRow], uids: list[str] | None = None) -> GeneratorOutput:
+    async def agenerate(
+        self,
+        prompts: list[PromptRow],
+        uids: list[str] | None = None,
+        sampling: SamplingConfig | None = None,
+        n_samples_per_prompt: int | None = None,
+    ) -> GeneratorOutput:
         """Episodes for every prompt x sample, in prompt order (the samples of a prompt contiguous).
 
         `uids[i]` names prompt i's group (default `p{i}`); trajectory ids are `uid/sample`.
+        `sampling` and `n_samples_per_prompt` default to the section's (eval passes its own).
         Raises `RuntimeError` quoting the first errors when more than
         `max_env_failure_fraction` of the episodes failed in their environment.
         """
         uids = uids or [f"p{i}" for i in range(len(prompts))]
+        sampling = sampling or self.cfg.sampling
+        n = n_samples_per_prompt or self.cfg.n_samples_per_prompt
         start = time.perf_counter()
         with ThreadPoolExecutor(max_workers=self.cfg.env_workers, thread_name_prefix="skyrl-env") as pool:
             # a TaskGroup cancels and awaits every episode if one raises (e.g. a dead engine)
             try:
                 async with asyncio.TaskGroup() as group:
                     tasks = [
-                        group.create_task(self._episode(row, uid, f"{uid}/{s}", pool))
+                        group.create_task(self._episode(row, uid, f"{uid}/{s}", pool, sampling))
                         for row, uid in zip(prompts, uids, strict=True)
-                        for s in range(self.cfg.n_samples_per_prompt)
+                        for s in range(n)
                     ]
             except ExceptionGroup as errors:
                 raise errors.exceptions[0] from None
@@ -168,9 +189,7 @@ class RolloutManager:
                 f"{len(failures)} of {len(episodes)} episodes failed in their environment (more than "
                 f"generator.max_env_failure_fraction={self.cfg.max_env_failure_fraction}); first errors: {quoted}"
             )
-        return GeneratorOutput(
-            episodes, rollout_metrics(episodes, self.cfg.n_samples_per_prompt, time.perf_counter() - start)
-        )
+        return GeneratorOutput(episodes, rollout_metrics(episodes, n, time.perf_counter() - start))
 
     async def _env_call(self, pool: ThreadPoolExecutor, fn: Any, *args: Any) -> Any:
         """`fn(*args)` in the env thread pool; anything it raises becomes an `EnvFailure`."""
@@ -180,15 +199,13 @@ class RolloutManager:
             raise EnvFailure(f"{getattr(fn, '__qualname__', fn)} raised {type(e).__name__}: {e}") from e
 
     async def _episode(
-        self, row: PromptRow, uid: str, trajectory_id: str, pool: ThreadPoolExecutor
+        self, row: PromptRow, uid: str, trajectory_id: str, pool: ThreadPoolExecutor, sampling: SamplingConfig
     ) -> Episode:
-        env_class = row.env_class or self.cfg.env_class
+        env_class = row.env_class or self.env.env_class
         turns: list[Turn] = []
         env: BaseTextEnv | None = None
         try:
-            env = await self._env_call(
-                pool, make, env_class, self.cfg.env_configs.get(env_class, {}), row.extras
-            )
+            env = await self._env_call(pool, make, env_class, self.env.config.get(env_class, {}), row.extras)
             messages, _ = await self._env_call(pool, env.init, row.prompt)
             context = self.template.prompt(messages)
             stop_reason, total = "max_turns", 0.0
@@ -197,7 +214,7 @@ class RolloutManager:
                     stop_reason = "length"
                     break
                 out = await self.client.generate(
-                    context, self._sampling(len(context)), session_id=trajectory_id
+                    context, self._sampling(len(context), sampling), session_id=trajectory_id
                 )
                 if out.stop_reason == "abort":
                     stop_reason = "abort"
@@ -225,6 +242,8 @@ class RolloutManager:
         except EnvFailure as e:  # ends this episode only, scored 0
             for finished in turns:
                 finished.reward = 0.0
+                if self.cfg.env_failure == "mask":
+                    finished.loss_mask = [0] * len(finished.loss_mask)
             return Episode(
                 Trajectory(uid, trajectory_id, turns or self._empty_turn(row)), "error", 0.0, str(e)
             )

@@ -6,14 +6,10 @@ from skyrl.train.inference.client import (
     create_engine,
     resolve_engine_config,
 )
-from skyrl.train.inference.config import (
-    InferenceEngineConfig,
-    OpenAIServerConfig,
-    validate_engine_config,
-    validate_server_config,
-)
+from skyrl.train.inference.config import validate_engine_config, validate_server_config
 from skyrl.train.inference.engine import EngineHealth, GenerationOutput, InferenceEngine, SamplingParams
 from skyrl.train.inference.weights import WeightUpdateError, validate_weight_update
+from skyrl.train.schema import InferenceEngineConfig, OpenAIServerConfig
 
 __all__ = [
     "EngineDeadError",

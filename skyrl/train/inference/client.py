@@ -30,10 +30,11 @@ import ray
 import torch
 from ray.actor import ActorHandle
 
-from skyrl.train.inference.config import InferenceEngineConfig, resolve_backend, validate_engine_config
+from skyrl.train.inference.config import resolve_backend, validate_engine_config
 from skyrl.train.inference.engine import EngineHealth, GenerationOutput, SamplingParams
 from skyrl.train.inference.weight_sync import WeightSyncGroup
 from skyrl.train.inference.weights import StreamSpec
+from skyrl.train.schema import InferenceEngineConfig
 
 logger = logging.getLogger(__name__)
 

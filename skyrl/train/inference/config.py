@@ -1,83 +1,25 @@
-"""Typed settings of the inference engines and the OpenAI-compatible endpoint, with their checks."""
+"""Checks of the inference engines' and the OpenAI-compatible endpoint's settings (declared in
+`skyrl.train.schema`), and the backend `auto` resolves to."""
 
 from __future__ import annotations
 
 import importlib.util
 import logging
-from dataclasses import dataclass
 
+from skyrl.train.schema import InferenceEngineConfig, OpenAIServerConfig
 from skyrl.train.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-# Where these settings live in the config tree; error messages name keys under it.
+# What error messages name settings by: the engines' section of the config tree, the endpoint's dataclass.
 ENGINE_KEY = "generator.inference_engine"
-SERVER_KEY = "generator.http_endpoint"
+SERVER_KEY = "OpenAIServerConfig"
 
 BACKENDS = ("auto", "vllm", "hf")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHT_SYNCS = ("auto", "object_store", "broadcast", "ipc")
 CPU_KV_CACHE_BYTES = 1 << 30
-
-
-@dataclass
-class InferenceEngineConfig:
-    """Engines and the client that routes to them.
-
-    backend: `vllm`, `hf` (transformers generate), or `auto` (vLLM when installed).
-    device: `cpu`, `cuda`, or `auto` (cuda when the Ray cluster has GPUs).
-    dtype: `auto` is float32 on CPU and the checkpoint's dtype on GPU.
-    kv_cache_memory_bytes: vLLM KV cache size; None means `gpu_memory_utilization`
-    on GPU and 1 GiB on CPU. enforce_eager: None means True on CPU, False on GPU.
-    max_model_len: None means the model's maximum positions.
-    max_num_seqs: sequences one engine runs in one batch (vLLM scheduler, hf batch).
-    hf_batch_wait_s: the `hf` engine keeps collecting requests while they keep
-    arriving within this window before it starts a batch.
-    max_concurrent_requests: requests the client has in flight over all engines.
-    weight_sync: how the trainer sends policy weights to the engines: `object_store`
-    (full state dict through Ray), `broadcast` (a process group from policy rank 0
-    to the engines: NCCL on GPU, gloo on CPU; engines need GPUs of their own), `ipc`
-    (colocated engines only: each policy rank hands its engine one layer at a time
-    through CUDA IPC on GPU, /dev/shm on CPU), or `auto` (on GPU, ipc when colocated
-    and broadcast when not; object_store on CPU).
-    weight_sync_timeout_s: how long a broadcast rank waits for the others.
-    """
-
-    backend: str = "auto"
-    num_engines: int = 1
-    tensor_parallel_size: int = 1
-    device: str = "auto"
-    dtype: str = "auto"
-    gpu_memory_utilization: float = 0.8
-    kv_cache_memory_bytes: int | None = None
-    enforce_eager: bool | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    enable_prefix_caching: bool = True
-    enable_sleep_mode: bool = False
-    seed: int = 0
-    num_cpus_per_engine: float = 1.0
-    hf_batch_wait_s: float = 0.005
-    max_concurrent_requests: int = 1024
-    weight_sync: str = "auto"
-    weight_sync_timeout_s: float = 600.0
-
-
-@dataclass
-class OpenAIServerConfig:
-    """The OpenAI-compatible HTTP endpoint over the engines.
-
-    port 0 picks a free port. api_key None serves without authentication;
-    otherwise requests need `Authorization: Bearer <api_key>`. served_model_name
-    None means the model path. default_max_tokens applies when a request sets none.
-    """
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    served_model_name: str | None = None
-    default_max_tokens: int = 512
 
 
 def _positive(section: str, name: str, value: object, example: str) -> None:

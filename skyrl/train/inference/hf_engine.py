@@ -18,7 +18,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from skyrl.train.inference.config import InferenceEngineConfig
 from skyrl.train.inference.engine import (
     EngineHealth,
     GenerationOutput,
@@ -35,6 +34,7 @@ from skyrl.train.inference.weights import (
     validate_weight_update,
     weight_spec_from_model,
 )
+from skyrl.train.schema import InferenceEngineConfig
 
 
 @dataclass

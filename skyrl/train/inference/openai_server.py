@@ -24,8 +24,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from skyrl.train.inference.client import EngineDeadError, InferenceEngineClient
-from skyrl.train.inference.config import OpenAIServerConfig, validate_server_config
+from skyrl.train.inference.config import validate_server_config
 from skyrl.train.inference.engine import GenerationOutput, SamplingParams
+from skyrl.train.schema import OpenAIServerConfig
 
 
 class _SamplingRequest(BaseModel):

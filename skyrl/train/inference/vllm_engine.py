@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 import torch
 
-from skyrl.train.inference.config import CPU_KV_CACHE_BYTES, InferenceEngineConfig
+from skyrl.train.inference.config import CPU_KV_CACHE_BYTES
 from skyrl.train.inference.engine import (
     EngineHealth,
     GenerationOutput,
@@ -38,6 +38,7 @@ from skyrl.train.inference.weights import (
     validate_stream_spec,
     validate_weight_update,
 )
+from skyrl.train.schema import InferenceEngineConfig
 
 
 class VLLMEngine(InferenceEngine):

@@ -20,9 +20,10 @@ from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from skyrl.train.schema import TrainerConfig
 from skyrl.train.training_batch import TrainingInputBatch
 from skyrl.train.workers.dispatch import MeshDispatch, StagedMiniBatch
-from skyrl.train.workers.fsdp_worker import CHECKPOINT_DONE, FSDPWorker, WorkerConfig
+from skyrl.train.workers.fsdp_worker import CHECKPOINT_DONE, FSDPWorker
 
 
 def create_placement_group(
@@ -62,19 +63,22 @@ def node_free_port() -> tuple[str, int]:
 class ActorGroup:
     """`num_workers` actors of one FSDP worker class, rank i on bundle `bundle_offset + i`.
 
-    `resource_fraction` of each bundle's CPU/GPU goes to each actor (1.0: the bundle
-    is theirs; 0.5: another group can be colocated on the same bundles).
+    Each is `worker_cls(cfg, rank, num_workers, model_path, **worker_kwargs)` (`cfg` the
+    `trainer` section). `resource_fraction` of each bundle's CPU/GPU goes to each actor
+    (1.0: the bundle is theirs; 0.5: another group can be colocated on the same bundles).
     """
 
     def __init__(
         self,
         worker_cls: type[FSDPWorker],
-        cfg: WorkerConfig,
+        cfg: TrainerConfig,
+        model_path: str,
         num_workers: int,
         pg: PlacementGroup,
         bundle_offset: int = 0,
         resource_fraction: float = 1.0,
         timeout_s: float = 300,
+        **worker_kwargs: Any,
     ):
         self.num_workers, self.timeout_s = num_workers, timeout_s
         bundle = pg.bundle_specs[bundle_offset]
@@ -86,7 +90,7 @@ class ActorGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=bundle_offset + rank
                 ),
-            ).remote(cfg, rank, num_workers)
+            ).remote(cfg, rank, num_workers, model_path, **worker_kwargs)
             for rank in range(num_workers)
         ]
         self.run("init_process_group", *self.rank0_free_port())

@@ -14,7 +14,6 @@ import math
 import os
 import random
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +42,7 @@ from skyrl.train.algorithms import (
     reduction_counts,
     value_loss,
 )
+from skyrl.train.schema import CriticConfig, OptimizerConfig, PolicyConfig, RefConfig, TrainerConfig
 from skyrl.train.training_batch import TrainingInputBatch, partition_rows
 
 if TYPE_CHECKING:  # the weight-sync helpers import Ray: a worker loads them only when it syncs
@@ -53,67 +53,22 @@ CHECKPOINT_DONE = "COMPLETE"
 Metrics = dict[str, torch.Tensor]
 
 
-@dataclass
-class OptimizerConfig:
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    max_grad_norm: float = 1.0
-    scheduler: str = "constant"  # constant | cosine
-    warmup_steps: int = 0
-    total_steps: int = 0  # optimizer steps of the run; cosine needs it
-    min_lr_ratio: float = 0.0
-
-
-@dataclass
-class LossConfig:
-    """Loss settings of a trainable worker; every field is also a key of `trainer.algorithm` (same name)."""
-
-    policy_loss: str = "regular"
-    loss_reduction: str = "token_mean"
-    max_seq_len: int | None = None  # seq_mean_token_sum_norm's fixed length
-    eps_clip_low: float = 0.2
-    eps_clip_high: float = 0.2
-    clip_ratio_c: float = 3.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_estimator: str = "k3"
-    entropy_coeff: float = 0.0
-    value_clip: float | None = 0.2
-
-
-@dataclass
-class WorkerConfig:
-    """Everything one FSDP worker needs; `micro_*` sizes count sequences per rank."""
-
-    model_path: str
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
-    micro_train_batch_size: int = 1
-    micro_forward_batch_size: int = 8
-    temperature: float = 1.0  # sampling temperature; logprobs are of logits / temperature
-    allowed_token_ids: list[int] | None = None  # sampling was restricted to these: renormalise over them
-    bf16: bool = True  # bf16 compute with fp32 reduction on GPU; CPU always runs fp32
-    cpu_offload: bool = False  # GPU only: keep sharded params and optimizer state on CPU
-    seed: int = 42
-    num_threads: int | None = None  # torch CPU threads; None keeps Ray's (OMP_NUM_THREADS = the actor's CPUs)
-
-
-def _lr_lambda(cfg: OptimizerConfig):
+def _lr_lambda(cfg: OptimizerConfig, run_steps: int = 0):
+    """The LR multiplier per optimizer step; cosine decays over `cfg.total_steps`, or `run_steps` when 0."""
+    total_steps = cfg.total_steps or run_steps
     if cfg.scheduler == "constant":
         return lambda step: min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
     if cfg.scheduler == "cosine":
-        if cfg.total_steps <= cfg.warmup_steps:
+        if total_steps <= cfg.warmup_steps:
             raise ValueError(
-                f"cosine schedule needs optimizer.total_steps > warmup_steps, got total_steps={cfg.total_steps}, "
+                f"cosine schedule needs optimizer.total_steps > warmup_steps, got total_steps={total_steps}, "
                 f"warmup_steps={cfg.warmup_steps}"
             )
 
         def cosine(step: int) -> float:
             if step < cfg.warmup_steps:
                 return (step + 1) / cfg.warmup_steps
-            progress = min(1.0, (step - cfg.warmup_steps) / (cfg.total_steps - cfg.warmup_steps))
+            progress = min(1.0, (step - cfg.warmup_steps) / (total_steps - cfg.warmup_steps))
             return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
         return cosine
@@ -121,18 +76,42 @@ def _lr_lambda(cfg: OptimizerConfig):
 
 
 class FSDPWorker:
-    """One data-parallel rank: process group, sharded model, forward over micro-batches, checkpoints."""
+    """One data-parallel rank: process group, sharded model, forward over micro-batches, checkpoints.
 
-    def __init__(self, cfg: WorkerConfig, rank: int, world_size: int):
+    `cfg` is the `trainer` section: the worker reads its role's part (`section`), the loss settings
+    of `cfg.algorithm`, the micro-batch sizes, the seed and `cfg.placement.cpus_per_worker` (its
+    torch CPU threads). `model_path` is the resolved model directory. Logprobs are of the
+    distribution the engines sampled from: logits / `temperature`, renormalised over
+    `allowed_token_ids` when given.
+    """
+
+    role: str  # the section of `trainer` this worker's model is configured by: policy | ref | critic
+
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        rank: int,
+        world_size: int,
+        model_path: str,
+        temperature: float = 1.0,
+        allowed_token_ids: Sequence[int] = (),
+    ):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
+        self.model_path, self.temperature = model_path, temperature
+        self.allowed_token_ids = list(allowed_token_ids)
+        # colocated actors take turns, so each may use every core of its bundle
+        torch.set_num_threads(max(1, int(cfg.placement.cpus_per_worker)))
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         self.device = self.device or torch.device("cpu")
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.global_step = 0
+
+    @property
+    def section(self) -> PolicyConfig | RefConfig | CriticConfig:
+        """This worker's model section: `trainer.policy`, `trainer.ref` or `trainer.critic`."""
+        return getattr(self.cfg, self.role)
 
     # ---- setup ----
     def init_process_group(self, master_addr: str, master_port: int) -> None:
@@ -148,7 +127,7 @@ class FSDPWorker:
     def _load_model(self) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(self.cfg.model_path, dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
 
     def init_model(self) -> None:
         """(Re)load the model from `model_path`, shard it, and build a fresh optimizer and schedule."""
@@ -156,9 +135,9 @@ class FSDPWorker:
         model = self._load_model().to(self.device)
         on_gpu = self.device.type == "cuda"
         kwargs = {"mesh": self.mesh}
-        if on_gpu and self.cfg.bf16:
+        if on_gpu and self.cfg.policy.bf16:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if on_gpu and self.cfg.cpu_offload:
+        if on_gpu and self.section.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
         for layer in model.model.layers:
             fully_shard(layer, **kwargs)
@@ -180,11 +159,11 @@ class FSDPWorker:
         logits = self.model(
             input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids
         ).logits
-        logits = logits[:, -response_length - 1 : -1].float() / self.cfg.temperature
-        if self.cfg.allowed_token_ids:
+        logits = logits[:, -response_length - 1 : -1].float() / self.temperature
+        if self.allowed_token_ids:
             # finite, so entropy's p * logit stays 0 (not nan) on excluded tokens
             excluded = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
-            excluded[self.cfg.allowed_token_ids] = False
+            excluded[self.allowed_token_ids] = False
             logits = logits.masked_fill(excluded, -1e9)
         return logits
 
@@ -212,7 +191,7 @@ class FSDPWorker:
         self.model.eval()
         outputs = [
             self._output(mb.to(self.device))
-            for mb in iter_micro_batches(data, self.cfg.micro_forward_batch_size)
+            for mb in iter_micro_batches(data, self.cfg.micro_forward_batch_size_per_gpu)
         ]
         return TrainingInputBatch({k: torch.cat([o[k] for o in outputs]).cpu() for k in outputs[0]})
 
@@ -292,7 +271,7 @@ class FSDPWorker:
         state = self.full_state_dict()
         if self.rank == 0:
             self.model.save_pretrained(path, state_dict=state)
-            AutoTokenizer.from_pretrained(self.cfg.model_path).save_pretrained(path)
+            AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
         dist.barrier()
 
     # ---- checkpoints ----
@@ -407,11 +386,12 @@ class TrainableWorker(FSDPWorker, abc.ABC):
 
     def init_model(self) -> None:
         super().init_model()
-        opt = self.cfg.optimizer
+        opt = self.section.optimizer
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(opt))
+        run_steps = self.cfg.optimizer_steps(getattr(self.cfg, f"{self.role}_mini_batch_size"))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(opt, run_steps))
 
     @abc.abstractmethod
     def _loss(self, mb: TrainingInputBatch, scale: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
@@ -438,12 +418,12 @@ class TrainableWorker(FSDPWorker, abc.ABC):
         self.optimizer.zero_grad(set_to_none=True)
         counts = reduction_counts(data["loss_mask"]).to(self.device)
         dist.all_reduce(counts)
-        loss_cfg = self.cfg.loss
+        loss_cfg = self.cfg.algorithm
         scale = loss_scale_for_reduction(
             data["loss_mask"], loss_cfg.loss_reduction, loss_cfg.max_seq_len, counts.cpu()
         )
         data["loss_scale"] = scale.float()
-        micro_batches = list(iter_micro_batches(data, self.cfg.micro_train_batch_size))
+        micro_batches = list(iter_micro_batches(data, self.cfg.micro_train_batch_size_per_gpu))
         totals = MetricTotals(self.device)
         for i, mb in enumerate(micro_batches):
             self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
@@ -451,7 +431,9 @@ class TrainableWorker(FSDPWorker, abc.ABC):
             loss, metrics = self._loss(mb, mb["loss_scale"])
             loss.backward()
             totals.add(loss, metrics, mb["loss_mask"].sum())
-        max_norm = self.cfg.optimizer.max_grad_norm if self.cfg.optimizer.max_grad_norm > 0 else math.inf
+        max_norm = (
+            self.section.optimizer.max_grad_norm if self.section.optimizer.max_grad_norm > 0 else math.inf
+        )
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         self.optimizer.step()
@@ -471,8 +453,10 @@ class TrainableWorker(FSDPWorker, abc.ABC):
 class PolicyWorker(TrainableWorker):
     """Policy: logprobs, and PPO-style updates with a registered policy loss (+ optional KL and entropy terms)."""
 
+    role = "policy"
+
     def _loss(self, mb: TrainingInputBatch, scale: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
-        cfg = self.cfg.loss
+        cfg = self.cfg.algorithm
         logprobs, entropy = self._logprobs(mb)
         per_token, metrics = get_policy_loss(cfg.policy_loss)(
             logprobs,
@@ -496,17 +480,20 @@ class PolicyWorker(TrainableWorker):
 class RefWorker(FSDPWorker):
     """Reference policy: forward-only logprobs."""
 
+    role = "ref"
     trainable = False
 
 
 class CriticWorker(TrainableWorker):
     """Critic: the backbone with a scalar value head (token classification, 1 label), clipped value loss."""
 
+    role = "critic"
+
     def _load_model(self) -> torch.nn.Module:
         from transformers import AutoModelForTokenClassification
 
         return AutoModelForTokenClassification.from_pretrained(
-            self.cfg.model_path, num_labels=1, dtype=torch.float32
+            self.model_path, num_labels=1, dtype=torch.float32
         )
 
     def _values(self, mb: TrainingInputBatch) -> torch.Tensor:
@@ -523,6 +510,6 @@ class CriticWorker(TrainableWorker):
     def _loss(self, mb: TrainingInputBatch, scale: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
         values = self._values(mb)
         per_token, metrics = value_loss(
-            values, mb["old_values"], mb["returns"], mb["loss_mask"], self.cfg.loss.value_clip
+            values, mb["old_values"], mb["returns"], mb["loss_mask"], self.cfg.algorithm.value_clip
         )
         return (per_token * scale).sum(), metrics

@@ -5,10 +5,12 @@ from transformers import AutoTokenizer
 
 from skyrl.train.dataset.preprocess import trajectories_to_sequences
 from skyrl.train.dataset.prompt_dataset import parse_rows
-from skyrl.train.generator.rollout import GeneratorConfig, RolloutManager
+from skyrl.train.generator.rollout import RolloutManager
 from skyrl.train.inference import InferenceEngineClient, InferenceEngineConfig
+from skyrl.train.schema import EnvironmentConfig, GeneratorConfig
 
 CHATTY = "tests.envs.user_envs:ChattyEnv"
+FLAKY = "tests.envs.user_envs:FlakyEnv"
 PROMPTS = parse_rows(
     [
         {"prompt": [{"role": "system", "content": "Play."}, {"role": "user", "content": "Go."}]},
@@ -35,16 +37,11 @@ def hf_client(ray_cluster, tiny_model_path):
     client.shutdown()
 
 
-def manager(client, tokenizer, **overrides):
-    settings = {
-        "n_samples_per_prompt": 3,
-        "max_turns": 3,
-        "max_generate_length": 6,
-        "env_class": CHATTY,
-        "env_configs": {CHATTY: {"turns": 3}},
-    }
-    cfg = GeneratorConfig(**{**settings, **overrides})
-    return RolloutManager(client, tokenizer, cfg)
+def manager(client, tokenizer, env_class=CHATTY, env_config=None, **overrides):
+    """A rollout manager over `generator` settings `overrides` and env `env_class`."""
+    settings = {"n_samples_per_prompt": 3, "max_turns": 3, "max_generate_length": 6}
+    env = EnvironmentConfig(env_class, {env_class: env_config or {"turns": 3}})
+    return RolloutManager(client, tokenizer, GeneratorConfig(**{**settings, **overrides}), env)
 
 
 def assert_token_exact(episode, tokenizer):
@@ -103,29 +100,34 @@ def test_builtin_env_from_config_runs(hf_client, tokenizer):
     from skyrl.envs import guess_number
 
     rows = parse_rows(guess_number.make_dataset(2, seed=0), "guess")
-    cfg = GeneratorConfig(n_samples_per_prompt=2, max_turns=4, max_generate_length=2, env_class="unused")
-    out = RolloutManager(hf_client, tokenizer, cfg).generate(rows)
+    cfg = GeneratorConfig(n_samples_per_prompt=2, max_turns=4, max_generate_length=2)
+    out = RolloutManager(hf_client, tokenizer, cfg, EnvironmentConfig(env_class="unused")).generate(rows)
     assert len(out.episodes) == 4
     assert all(e.stop_reason in ("done", "max_turns") for e in out.episodes)
     assert {"reward/mean", "reward/pass@2", "env/guesses", "timing/generate_s"} <= set(out.metrics)
 
 
-def test_a_crashing_env_fails_its_episode_only(hf_client, tokenizer):
-    flaky = "tests.envs.user_envs:FlakyEnv"
-    mgr = manager(hf_client, tokenizer, env_class=flaky, env_configs={flaky: {"turns": 3}})
-    out = mgr.generate(PROMPTS)
+@pytest.mark.parametrize("mode", ["mask", "zero_reward"])
+def test_a_crashing_env_fails_its_episode_only(hf_client, tokenizer, mode):
+    """Default `mask`: the failed episodes' turns leave the loss; `zero_reward` trains on them with reward 0."""
+    out = manager(hf_client, tokenizer, env_class=FLAKY, env_failure=mode).generate(PROMPTS)
     good, bad = out.episodes[:3], out.episodes[3:]
     assert all(e.stop_reason == "done" and e.reward == 1.0 for e in good)
+    assert all(t.loss_mask == [1] * len(t.response_ids) for e in good for t in e.trajectory.turns)
     for e in bad:
         assert e.stop_reason == "error" and e.reward == 0.0 and "simulated env crash" in e.error
-        assert all(t.reward == 0.0 for t in e.trajectory.turns)
+        (turn,) = e.trajectory.turns  # FlakyEnv raises on its second step: one generated turn
+        assert turn.reward == 0.0 and len(turn.response_ids) > 0
+        assert turn.loss_mask == [0 if mode == "mask" else 1] * len(turn.response_ids)
     assert out.metrics["episode/env_failures"] == 3.0
     assert out.metrics["reward/mean"] == 0.5
+    sequences = trajectories_to_sequences(out.trajectories, step_wise=True)
+    trained = {s.trajectory_id for s in sequences if any(s.loss_mask)}
+    assert trained == {e.trajectory.trajectory_id for e in (good if mode == "mask" else out.episodes)}
 
 
 def test_too_many_env_failures_fail_the_step_quoting_the_error(hf_client, tokenizer):
-    flaky = "tests.envs.user_envs:FlakyEnv"
-    mgr = manager(hf_client, tokenizer, env_class=flaky, max_env_failure_fraction=0.25)
+    mgr = manager(hf_client, tokenizer, env_class=FLAKY, max_env_failure_fraction=0.25)
     with pytest.raises(RuntimeError, match=r"3 of 6 episodes failed .* simulated env crash"):
         mgr.generate(PROMPTS)
 

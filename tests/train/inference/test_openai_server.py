@@ -6,8 +6,8 @@ import threading
 import httpx
 import pytest
 
-from skyrl.train.inference.config import OpenAIServerConfig
 from skyrl.train.inference.openai_server import OpenAIServer
+from skyrl.train.schema import OpenAIServerConfig
 
 from .conftest import start_client
 

@@ -15,17 +15,10 @@ from scripts.check_dp_equivalence import (
 from skyrl.train.dataset.preprocess import compute_prompt_mini_batch_boundaries
 from skyrl.train.inference import InferenceEngineClient, InferenceEngineConfig
 from skyrl.train.inference.weights import stream_spec
+from skyrl.train.schema import AlgorithmConfig, CriticConfig, OptimizerConfig, PolicyConfig, TrainerConfig
 from skyrl.train.workers.actor_group import ActorGroup, create_placement_group, latest_checkpoint
 from skyrl.train.workers.dispatch import MeshDispatch
-from skyrl.train.workers.fsdp_worker import (
-    CHECKPOINT_DONE,
-    CriticWorker,
-    LossConfig,
-    OptimizerConfig,
-    PolicyWorker,
-    RefWorker,
-    WorkerConfig,
-)
+from skyrl.train.workers.fsdp_worker import CHECKPOINT_DONE, CriticWorker, PolicyWorker, RefWorker
 
 
 @pytest.fixture(scope="module")
@@ -72,11 +65,11 @@ def test_delayed_dp_split_matches_staged_split(dp1, tiny_model_path):
 
 @pytest.fixture(scope="module")
 def policy_dp2(ray_cluster, tiny_model_path):
-    cfg = WorkerConfig(
-        model_path=str(tiny_model_path), optimizer=OptimizerConfig(lr=1e-3), micro_train_batch_size=2
+    cfg = TrainerConfig(
+        policy=PolicyConfig(optimizer=OptimizerConfig(lr=1e-3)), micro_train_batch_size_per_gpu=2
     )
     pg = create_placement_group(2)
-    group = ActorGroup(PolicyWorker, cfg, 2, pg)
+    group = ActorGroup(PolicyWorker, cfg, str(tiny_model_path), 2, pg)
     yield group
     group.kill()
     ray.util.remove_placement_group(pg)
@@ -146,11 +139,11 @@ def test_checkpoint_round_trip_resumes_exactly_and_skips_half_written(policy_dp2
     assert resume_from == tmp_path / "global_step_1"
     assert (resume_from / CHECKPOINT_DONE).exists()
 
-    cfg = WorkerConfig(
-        model_path=str(tiny_model_path), optimizer=OptimizerConfig(lr=1e-3), micro_train_batch_size=2
+    cfg = TrainerConfig(
+        policy=PolicyConfig(optimizer=OptimizerConfig(lr=1e-3)), micro_train_batch_size_per_gpu=2
     )
     pg = create_placement_group(2)
-    fresh = ActorGroup(PolicyWorker, cfg, 2, pg)
+    fresh = ActorGroup(PolicyWorker, cfg, str(tiny_model_path), 2, pg)
     try:
         fresh.load_checkpoint(resume_from)
         assert global_step(fresh) == 1
@@ -217,7 +210,7 @@ def test_reference_worker_gives_the_policy_logprobs_at_init(ray_cluster, policy_
     policy_dp2.run("init_model")
     batch, bounds = stepwise_batch(512)
     pg = create_placement_group(1)
-    ref = ActorGroup(RefWorker, WorkerConfig(model_path=str(tiny_model_path)), 1, pg)
+    ref = ActorGroup(RefWorker, TrainerConfig(), str(tiny_model_path), 1, pg)
     try:
         ref_logprobs = ref.forward(ref.stage(batch, bounds))["logprobs"]
     finally:
@@ -229,16 +222,15 @@ def test_reference_worker_gives_the_policy_logprobs_at_init(ray_cluster, policy_
 
 
 def test_critic_fits_returns_with_the_clipped_value_loss(ray_cluster, tiny_model_path):
-    cfg = WorkerConfig(
-        model_path=str(tiny_model_path),
-        optimizer=OptimizerConfig(lr=3e-3),
-        loss=LossConfig(value_clip=None),
-        micro_train_batch_size=4,
+    cfg = TrainerConfig(
+        critic=CriticConfig(optimizer=OptimizerConfig(lr=3e-3)),
+        algorithm=AlgorithmConfig(value_clip=None),
+        micro_train_batch_size_per_gpu=4,
     )
     batch, bounds = stepwise_batch(512)
     batch["returns"] = batch["response_mask"].float()
     pg = create_placement_group(2)
-    critic = ActorGroup(CriticWorker, cfg, 2, pg)
+    critic = ActorGroup(CriticWorker, cfg, str(tiny_model_path), 2, pg)
     try:
         losses = []
         for _ in range(6):

@@ -2,7 +2,8 @@ import math
 
 import pytest
 
-from skyrl.train.workers.fsdp_worker import OptimizerConfig, _lr_lambda
+from skyrl.train.schema import OptimizerConfig
+from skyrl.train.workers.fsdp_worker import _lr_lambda
 
 
 def test_constant_schedule_with_linear_warmup():

@@ -18,9 +18,12 @@ SCRIPT = textwrap.dedent(
 
     sys.meta_path.insert(0, BlockRay())
     from skyrl.train.dataset.preprocess import Trajectory, Turn, collate_sequences, trajectories_to_sequences
-    from skyrl.train.workers.fsdp_worker import OptimizerConfig, PolicyWorker, WorkerConfig
+    from skyrl.train.schema import TrainerConfig
+    from skyrl.train.workers.fsdp_worker import PolicyWorker
 
-    worker = PolicyWorker(WorkerConfig(model_path=sys.argv[1], optimizer=OptimizerConfig(lr=1e-3)), 0, 1)
+    cfg = TrainerConfig()
+    cfg.policy.optimizer.lr = 1e-3
+    worker = PolicyWorker(cfg, 0, 1, sys.argv[1])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

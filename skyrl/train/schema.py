@@ -1,0 +1,314 @@
+"""The config tree: every setting of a run, declared once, with its one default.
+
+Each component's config is a dataclass here and the tree (`SkyRLConfig`, Hydra's
+schema behind `skyrl/configs/`) composes them; a component receives its own
+section of the tree, never a copy. Standard library only, so loading the schema
+starts nothing (no Ray, no torch): validation lives in `skyrl.train.config`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# ---------------------------------------------------------------------------
+# trainer.*: the FSDP workers (policy, ref, critic), the algorithm and the loop
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    """`path`: a local directory or HF hub name loaded with from_pretrained; `tiny` builds the
+    default tiny model locally (no network) and loads it from its cache directory. The reference
+    and critic default to null: the policy's model."""
+
+    path: str | None = "tiny"
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW and its learning-rate schedule; one optimizer step per mini-batch."""
+
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0  # <= 0 disables clipping
+    scheduler: str = "constant"  # constant | cosine
+    warmup_steps: int = 0
+    total_steps: int = (
+        0  # optimizer steps of the schedule; 0: those of the run (TrainerConfig.optimizer_steps)
+    )
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class PolicyConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    bf16: bool = True  # GPU only, every worker (policy, ref, critic); CPU trains in fp32
+    cpu_offload: bool = False  # GPU only
+
+
+@dataclass
+class RefConfig:
+    model: ModelConfig = field(
+        default_factory=lambda: ModelConfig(path=None)
+    )  # null: the policy's initial weights
+    cpu_offload: bool = False  # GPU only
+
+
+@dataclass
+class CriticConfig:
+    model: ModelConfig = field(
+        default_factory=lambda: ModelConfig(path=None)
+    )  # null: the policy's, fresh value head
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=5e-6))
+    cpu_offload: bool = False  # GPU only
+
+
+ROLES = ("policy", "ref", "critic")
+
+
+@dataclass
+class PlacementConfig:
+    """`colocate_all`: policy, reference, critic and engines share the same bundles (fractions of
+    each); otherwise every model gets bundles of its own. Sizes are nodes x GPUs (CPU bundles on CPU)."""
+
+    colocate_all: bool = True
+    policy_num_nodes: int = 1
+    policy_num_gpus_per_node: int = 1
+    critic_num_nodes: int = 1
+    critic_num_gpus_per_node: int = 1
+    ref_num_nodes: int = 1
+    ref_num_gpus_per_node: int = 1
+    cpus_per_worker: float = 1.0  # also each worker's torch CPU threads (at least 1)
+
+    def dp_size(self, role: str) -> int:
+        """Data-parallel ranks of `role` (one of `ROLES`): colocated, every model has one rank per
+        policy bundle; otherwise `<role>_num_nodes * <role>_num_gpus_per_node`."""
+        assert role in ROLES, f"role {role!r} is not one of {ROLES}"
+        owner = "policy" if self.colocate_all else role
+        return getattr(self, f"{owner}_num_nodes") * getattr(self, f"{owner}_num_gpus_per_node")
+
+
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage estimator and losses; names are registry names or `package.module:function`.
+    The trainer reads the advantage and reward settings, the workers the loss settings."""
+
+    advantage_estimator: str = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    gamma: float = 1.0
+    lambd: float = 1.0
+    group_baseline: bool = False  # reinforce++ only
+    policy_loss: str = "regular"
+    loss_reduction: str = "token_mean"
+    max_seq_len: int | None = None  # seq_mean_token_sum_norm's fixed length
+    eps_clip_low: float = 0.2
+    eps_clip_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    value_clip: float | None = 0.2
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_estimator: str = "k3"
+    use_kl_in_reward: bool = False
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    entropy_coeff: float = 0.0
+    dynamic_sampling: str | None = None  # filter: drop prompt groups whose rewards are all equal, draw more
+    max_sample_batches: int = 4  # draws per step with dynamic sampling
+    zero_variance_filter: bool = False  # train only on prompt groups with reward variance
+
+
+@dataclass
+class TrainerConfig:
+    """The loop's settings; every FSDP worker receives this section (its role's `policy` / `ref` /
+    `critic` part, `algorithm`'s loss settings, micro-batch sizes, seed, placement threads)."""
+
+    seed: int = 42
+    total_steps: int = 100  # 0 with eval_before_train: evaluate only
+    train_batch_size: int = 16  # prompts per step
+    policy_mini_batch_size: int = 4  # prompts per optimizer step
+    critic_mini_batch_size: int = 4
+    micro_train_batch_size_per_gpu: int = 8  # sequences
+    micro_forward_batch_size_per_gpu: int = 16
+    update_epochs_per_batch: int = 1
+    balance_dp: bool = False  # assign sequences to DP ranks by token count (Karmarkar-Karp)
+    delay_split_by_dp: bool = False
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
+    project_name: str = "skyrl"
+    run_name: str | None = None
+    eval_interval: int = 0  # steps; 0 disables
+    eval_before_train: bool = False
+    eval_n_samples: int = 4
+    ckpt_interval: int = 0  # steps; 0 disables
+    max_ckpts_to_keep: int = 2
+    resume_mode: str = "latest"  # latest | none | a checkpoint path
+    hf_save_interval: int = 0  # steps; 0 disables (the final model is always exported when > 0)
+
+    def optimizer_steps(self, mini_batch_size: int) -> int:
+        """Optimizer steps of the whole run for a model trained on `mini_batch_size`-prompt mini-batches;
+        at least 1, so an eval-only run (total_steps=0) can still build a schedule."""
+        per_step = (self.train_batch_size // mini_batch_size) * self.update_epochs_per_batch
+        return max(1, self.total_steps * per_step)
+
+
+# ---------------------------------------------------------------------------
+# generator.*: the rollout manager and the inference engines
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+
+
+@dataclass
+class InferenceEngineConfig:
+    """Engines and the client that routes to them.
+
+    backend: `vllm`, `hf` (transformers generate), or `auto` (vLLM when installed).
+    device: `cpu`, `cuda`, or `auto` (cuda when the Ray cluster has GPUs).
+    dtype: `auto` is float32 on CPU and the checkpoint's dtype on GPU.
+    kv_cache_memory_bytes: vLLM KV cache size; None means `gpu_memory_utilization`
+    on GPU and 1 GiB on CPU. enforce_eager: None means True on CPU, False on GPU.
+    max_model_len: None means the model's maximum positions.
+    max_num_seqs: sequences one engine runs in one batch (vLLM scheduler, hf batch).
+    hf_batch_wait_s: the `hf` engine keeps collecting requests while they keep
+    arriving within this window before it starts a batch.
+    max_concurrent_requests: requests the client has in flight over all engines.
+    weight_sync: how the trainer sends policy weights to the engines: `object_store`
+    (full state dict through Ray), `broadcast` (a process group from policy rank 0
+    to the engines: NCCL on GPU, gloo on CPU; engines need GPUs of their own), `ipc`
+    (colocated engines only: each policy rank hands its engine one layer at a time
+    through CUDA IPC on GPU, /dev/shm on CPU), or `auto` (on GPU, ipc when colocated
+    and broadcast when not; object_store on CPU).
+    weight_sync_timeout_s: how long a broadcast rank waits for the others.
+    """
+
+    backend: str = "auto"
+    num_engines: int = 1
+    tensor_parallel_size: int = 1
+    device: str = "auto"
+    dtype: str = "auto"
+    gpu_memory_utilization: float = 0.8
+    kv_cache_memory_bytes: int | None = None
+    enforce_eager: bool | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    enable_prefix_caching: bool = True
+    enable_sleep_mode: bool = False  # colocated engines on GPU always sleep while the workers train
+    seed: int = 0
+    num_cpus_per_engine: float = 1.0  # disaggregated only; colocated engines take a share of a bundle
+    hf_batch_wait_s: float = 0.005
+    max_concurrent_requests: int = 1024
+    weight_sync: str = "auto"
+    weight_sync_timeout_s: float = 600.0
+
+
+@dataclass
+class OpenAIServerConfig:
+    """The OpenAI-compatible HTTP endpoint over the engines (`OpenAIServer`; not part of the tree:
+    the trainer does not serve it).
+
+    port 0 picks a free port. api_key None serves without authentication;
+    otherwise requests need `Authorization: Bearer <api_key>`. served_model_name
+    None means the model path. default_max_tokens applies when a request sets none.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    default_max_tokens: int = 512
+
+
+ENV_FAILURE_MODES = ("mask", "zero_reward")
+
+
+@dataclass
+class GeneratorConfig:
+    """The rollout manager's settings (it receives this section) and the engines' (`inference_engine`).
+
+    `max_input_length` bounds an episode's whole context, `max_generate_length` one turn.
+    `allowed_tokens`: each entry one token of the model's tokenizer; the model may only
+    generate these (an action space). `env_failure`: what an episode whose environment
+    raised trains on: `mask` (its turns get loss mask 0) or `zero_reward` (reward 0,
+    trained on like any other episode).
+    """
+
+    n_samples_per_prompt: int = 8
+    max_turns: int = 1
+    max_input_length: int = 1024
+    max_generate_length: int = 512
+    step_wise: bool = True
+    allowed_tokens: list[str] | None = None
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    eval_sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
+    inference_engine: InferenceEngineConfig = field(default_factory=InferenceEngineConfig)
+    env_workers: int = 8  # threads that run environment calls
+    max_env_failure_fraction: float = 0.5
+    env_failure: str = "mask"  # one of ENV_FAILURE_MODES
+
+
+# ---------------------------------------------------------------------------
+# environment.*, data.*, ray.* and the whole tree
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class EnvironmentConfig:
+    """`env_class`: a registered env or `package.module:ClassName`; a dataset row's `env_class`
+    column overrides it. `config[name]` is passed to env `name` as its env_config."""
+
+    env_class: str = "guess_number"
+    config: dict[str, Any] = field(
+        default_factory=lambda: {
+            "guess_number": {"min_value": 1, "max_value": 8, "max_turns": 4, "shaped": False},
+            "calculator": {"max_turns": 4},
+            "math": {},
+        }
+    )
+
+
+@dataclass
+class DataConfig:
+    """`train_path` / `eval_path`: parquet or jsonl files (or HF dataset names); null generates
+    prompts for the environment when it has a generator (guess_number, calculator)."""
+
+    train_path: str | None = None
+    eval_path: str | None = None
+    num_generated_train_prompts: int = 4096
+    num_generated_eval_prompts: int = 64
+    max_prompt_length: int = 256
+    shuffle: bool = True
+
+
+@dataclass
+class RayConfig:
+    address: str | None = None  # null: RAY_ADDRESS if set, else start a local cluster
+    num_cpus: int | None = None  # local cluster only; null: max(4, cores)
+
+
+@dataclass
+class SkyRLConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
