@@ -3,13 +3,14 @@
 Each output row: `prompt` (system + user chat messages), `env_class: math`, and
 `answer` (the number after `####` in GSM8K's solution), which the math env checks.
 
-Usage: python examples/gsm8k/prepare_data.py train.jsonl test.jsonl --out data/gsm8k
+Usage: .venv/bin/python examples/gsm8k/prepare_data.py train.jsonl test.jsonl --out data/gsm8k
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -26,7 +27,7 @@ def read(path: Path) -> list[dict]:
 
 def convert(rows: list[dict], source: Path) -> list[dict]:
     out = []
-    for i, row in enumerate(rows):
+    for i, row in enumerate(rows, start=1):
         if "question" not in row or "####" not in row.get("answer", ""):
             raise ValueError(f"{source} row {i}: expected GSM8K 'question' and an 'answer' containing '####'")
         out.append(
@@ -52,7 +53,10 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     for name, path in (("train", args.train), ("test", args.test)):
-        rows = convert(read(path), path)
+        try:
+            rows = convert(read(path), path)
+        except ValueError as e:
+            sys.exit(f"prepare_data: {e}")
         pq.write_table(pa.Table.from_pylist(rows), args.out / f"{name}.parquet")
         print(f"{len(rows)} rows -> {args.out / f'{name}.parquet'}")
 

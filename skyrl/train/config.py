@@ -273,13 +273,20 @@ def validate_config(cfg: SkyRLConfig) -> None:
         "episode whose environment raised out of the loss, zero_reward trains on it with reward 0.",
     )
     _known("environment.env_class", cfg.environment.env_class, resolve_env)
+    env = cfg.environment
+    action_space = (env.config.get(env.env_class) or {}).get("allowed_tokens")
+    _require(
+        action_space is None or (isinstance(action_space, list) and len(action_space) > 0),
+        f"environment.config.{env.env_class}.allowed_tokens={action_space!r} must be a non-empty list of "
+        'tokens, e.g. ["1", "2", "3"], or null (no restriction).',
+    )
     for key, path in [("data.train_path", d.train_path), ("data.eval_path", d.eval_path)]:
         local = path is not None and Path(path).suffix in (".parquet", ".jsonl", ".json")
         _require(not local or Path(path).exists(), f"{key}={path!r} does not exist; give an existing file.")
     validate_engine_config(g.inference_engine)
     e, p = g.inference_engine, t.placement
     if p.colocate_all:
-        bundles = p.policy_num_nodes * p.policy_num_gpus_per_node
+        bundles = p.dp_size("policy")
         _require(
             e.tensor_parallel_size == 1,
             f"generator.inference_engine.tensor_parallel_size={e.tensor_parallel_size} with "

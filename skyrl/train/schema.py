@@ -154,10 +154,10 @@ class TrainerConfig:
     eval_interval: int = 0  # steps; 0 disables
     eval_before_train: bool = False
     eval_n_samples: int = 4
-    ckpt_interval: int = 0  # steps; 0 disables
+    ckpt_interval: int = 50  # steps; 0 disables
     max_ckpts_to_keep: int = 2
     resume_mode: str = "latest"  # latest | none | a checkpoint path
-    hf_save_interval: int = 0  # steps; 0 disables (the final model is always exported when > 0)
+    hf_save_interval: int = 0  # steps between HF exports; the final policy is always exported
 
     def optimizer_steps(self, mini_batch_size: int) -> int:
         """Optimizer steps of the whole run for a model trained on `mini_batch_size`-prompt mini-batches;
@@ -246,8 +246,7 @@ class GeneratorConfig:
     """The rollout manager's settings (it receives this section) and the engines' (`inference_engine`).
 
     `max_input_length` bounds an episode's whole context, `max_generate_length` one turn.
-    `allowed_tokens`: each entry one token of the model's tokenizer; the model may only
-    generate these (an action space). `env_failure`: what an episode whose environment
+    `env_failure`: what an episode whose environment
     raised trains on: `mask` (its turns get loss mask 0) or `zero_reward` (reward 0,
     trained on like any other episode).
     """
@@ -257,7 +256,6 @@ class GeneratorConfig:
     max_input_length: int = 1024
     max_generate_length: int = 512
     step_wise: bool = True
-    allowed_tokens: list[str] | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     eval_sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
     inference_engine: InferenceEngineConfig = field(default_factory=InferenceEngineConfig)
@@ -274,7 +272,10 @@ class GeneratorConfig:
 @dataclass
 class EnvironmentConfig:
     """`env_class`: a registered env or `package.module:ClassName`; a dataset row's `env_class`
-    column overrides it. `config[name]` is passed to env `name` as its env_config."""
+    column overrides it. `config[name]` is passed to env `name` as its env_config. An env's
+    action space is `config[name].allowed_tokens` (a list, each entry one token of the model's
+    tokenizer): the model may only generate these while `env_class` is `name`, so another env
+    never inherits it."""
 
     env_class: str = "guess_number"
     config: dict[str, Any] = field(

@@ -93,7 +93,7 @@ class Trainer:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.allowed_token_ids = allowed_token_ids(self.tokenizer, cfg.generator.allowed_tokens)
+        self.allowed_token_ids = allowed_token_ids(self.tokenizer, cfg.environment)
         train_set, self.eval_set = datasets
         self.loader = PromptLoader(train_set, t.train_batch_size, seed=t.seed, shuffle=cfg.data.shuffle)
         self.use_critic = t.algorithm.advantage_estimator == "gae"
@@ -539,7 +539,7 @@ class Trainer:
                 )
             if t.ckpt_interval and self.step % t.ckpt_interval == 0:
                 progress.write(f"checkpoint: {self.save_checkpoint()}")
-            if t.hf_save_interval and (self.step % t.hf_save_interval == 0 or self.step == t.total_steps):
+            if self.step == t.total_steps or (t.hf_save_interval and self.step % t.hf_save_interval == 0):
                 export = self.run_dir / "hf_model" / f"global_step_{self.step}"
                 self.policy.run("save_hf_model", str(export))
                 progress.write(f"exported the policy (from_pretrained-ready): {export}")

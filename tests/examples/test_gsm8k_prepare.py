@@ -50,4 +50,5 @@ def test_prepare_data_names_a_bad_row(tmp_path):
         text=True,
         check=False,
     )
-    assert result.returncode != 0 and "train.jsonl row 0" in result.stderr
+    assert result.returncode != 0 and "train.jsonl row 1:" in result.stderr  # counted from 1
+    assert "Traceback" not in result.stderr

@@ -115,7 +115,11 @@ BAD_CONFIGS = [
         ["placement=disaggregated", "generator.inference_engine.weight_sync=ipc"],
         r"weight_sync=ipc with trainer.placement.colocate_all=false.*use placement=colocated",
     ),
-    (["trainer.total_steps=-1"], r"trainer.total_steps=-1 must be >= 0"),
+    (["trainer.total_steps=-1"], r"trainer.total_steps=-1 must be >= 0 \(0 with trainer.eval_before_train"),
+    (
+        ["environment.config.guess_number.allowed_tokens=[]"],
+        r"environment.config.guess_number.allowed_tokens=\[\] must be a non-empty list",
+    ),
     (
         ["generator.env_failure=skip"],
         r"generator.env_failure='skip' is not one of \['mask', 'zero_reward'\]",

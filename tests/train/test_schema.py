@@ -154,7 +154,6 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "generator.max_input_length": ("generator.max_input_length=300",),
     "generator.max_generate_length": ("generator.max_generate_length=2",),
     "generator.step_wise": ("generator.step_wise=false", "trainer.micro_train_batch_size_per_gpu=8"),
-    "generator.allowed_tokens": ("generator.allowed_tokens=[1,2]",),
     "generator.sampling.temperature": ("generator.sampling.temperature=0.5",),
     "generator.sampling.top_p": ("generator.sampling.top_p=0.9",),
     "generator.sampling.top_k": ("generator.sampling.top_k=5",),
@@ -308,9 +307,6 @@ EFFECTS = {
     "trainer.project_name": lambda b: b.tracker[2],
     "trainer.run_name": lambda b: b.tracker[3],
     "trainer.train_batch_size": lambda b: b.trainer.loader.batch_size,
-    "generator.allowed_tokens": lambda b: b.trainer.tokenizer.convert_ids_to_tokens(
-        b.workers["policy"].allowed_token_ids
-    ),
     "generator.sampling.temperature": lambda b: b.workers["policy"].temperature,
     "generator.inference_engine.weight_sync": lambda b: b.trainer.weight_sync,
     "data.shuffle": lambda b: b.trainer.loader.shuffle,
@@ -423,3 +419,11 @@ def test_loading_the_schema_starts_nothing():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_default_run_checkpoints_periodically():
+    """A first long run that crashes can resume (the final export is checked by the custom-env example's
+    test, which leaves `hf_save_interval` at its default)."""
+    cfg = compose_config([])
+    assert 0 < cfg.trainer.ckpt_interval <= cfg.trainer.total_steps
+    assert cfg.trainer.hf_save_interval == 0

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -167,35 +168,35 @@ def test_eval_only_run_logs_greedy_and_sampled_pass_at_k(ray_cluster, tiny_model
     assert {"eval/greedy/pass@1", "eval/sampled/pass@4", "eval/greedy/reward_mean"} <= set(record)
 
 
-def test_custom_env_example_trains_by_config_only(tmp_path):
+def readme_command(readme: Path) -> list[str]:
+    """The arguments of the `python -m skyrl.train` command in a README's bash block."""
+    block = readme.read_text().split("```bash\n", 1)[1].split("```", 1)[0]
+    command = shlex.split(block.replace("\\\n", " ").split("\n", 1)[1])
+    return command[command.index("skyrl.train") + 1 :]
+
+
+def test_custom_env_example_learns_by_config_only_as_its_readme_says(tmp_path):
+    """The README command as written: the env is not restricted to another env's action space (the
+    guess_number preset's digits), so episodes earn different rewards."""
+    args = readme_command(ROOT / "examples" / "custom_env" / "README.md")
+    assert "environment.env_class=my_env:RepeatWordEnv" in args
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "skyrl.train",
-            "environment.env_class=my_env:RepeatWordEnv",
-            "data.train_path=prompts.jsonl",
-            "generator.max_turns=1",
-            "generator.max_generate_length=4",
-            "trainer.total_steps=2",
-            "trainer.hf_save_interval=2",
-            *SMALL,
-            "ray.num_cpus=4",
-            f"hydra.run.dir={tmp_path}",
-        ],
+        [sys.executable, "-m", "skyrl.train", *args, "ray.num_cpus=4", f"hydra.run.dir={tmp_path}"],
         cwd=ROOT / "examples" / "custom_env",
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
         check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "first-step mean reward" in result.stdout
+    records = read_metrics(tmp_path)
+    assert len(records) == 20
+    assert max(r["reward/std"] for r in records) > 0
     assert (
-        f"exported the policy (from_pretrained-ready): {tmp_path / 'hf_model' / 'global_step_2'}"
+        f"exported the policy (from_pretrained-ready): {tmp_path / 'hf_model' / 'global_step_20'}"
         in result.stdout
     )
-    assert len(read_metrics(tmp_path)) == 2
     assert (tmp_path / "metrics.png").exists() and (tmp_path / ".hydra" / "config.yaml").exists()
 
 

@@ -41,15 +41,18 @@ class EnvFailure(Exception):
     """An environment raised; the episode ends with reward 0."""
 
 
-def allowed_token_ids(tokenizer: Any, tokens: list[str] | None) -> tuple[int, ...]:
-    """Token ids of `generator.allowed_tokens`; `ConfigError` unless each entry is exactly one token."""
+def allowed_token_ids(tokenizer: Any, env: EnvironmentConfig) -> tuple[int, ...]:
+    """Token ids of the action space of `env.env_class` (`environment.config.<env_class>.allowed_tokens`;
+    empty: no restriction); `ConfigError` unless each entry is exactly one token."""
+    key = f"environment.config.{env.env_class}.allowed_tokens"
+    tokens = (env.config.get(env.env_class) or {}).get("allowed_tokens") or []
     ids = []
-    for text in tokens or []:
-        encoded = tokenizer.encode(text, add_special_tokens=False)
+    for text in tokens:
+        encoded = tokenizer.encode(str(text), add_special_tokens=False)
         if len(encoded) != 1:
             raise ConfigError(
-                f"generator.allowed_tokens entry {text!r} is {len(encoded)} tokens for this tokenizer; "
-                "each entry must be exactly one token (or set generator.allowed_tokens=null)"
+                f"{key} entry {text!r} is {len(encoded)} tokens for this tokenizer; each entry must be "
+                f"exactly one token (or set {key}=null)"
             )
         ids += encoded
     return tuple(ids)
@@ -124,13 +127,13 @@ class RolloutManager:
     """Runs `n_samples_per_prompt` episodes per prompt concurrently against an engine client.
 
     `cfg` is the `generator` section (its `inference_engine` part belongs to the engines),
-    `env` the `environment` section. `ConfigError` if an `allowed_tokens` entry is not one token.
+    `env` the `environment` section. `ConfigError` if an entry of the env's `allowed_tokens` is not one token.
     """
 
     def __init__(self, client: Any, tokenizer: Any, cfg: GeneratorConfig, env: EnvironmentConfig):
         self.client, self.tokenizer, self.cfg, self.env = client, tokenizer, cfg, env
         self.template = ChatTemplateDelta(tokenizer)
-        self.allowed_token_ids = allowed_token_ids(tokenizer, cfg.allowed_tokens)
+        self.allowed_token_ids = allowed_token_ids(tokenizer, env)
 
     def _sampling(self, context_length: int, sampling: SamplingConfig) -> SamplingParams:
         budget = min(self.cfg.max_generate_length, self.cfg.max_input_length - context_length)

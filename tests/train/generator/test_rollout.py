@@ -5,9 +5,10 @@ from transformers import AutoTokenizer
 
 from skyrl.train.dataset.preprocess import trajectories_to_sequences
 from skyrl.train.dataset.prompt_dataset import parse_rows
-from skyrl.train.generator.rollout import RolloutManager
+from skyrl.train.generator.rollout import RolloutManager, allowed_token_ids
 from skyrl.train.inference import InferenceEngineClient, InferenceEngineConfig
 from skyrl.train.schema import EnvironmentConfig, GeneratorConfig
+from skyrl.train.utils.errors import ConfigError
 
 CHATTY = "tests.envs.user_envs:ChattyEnv"
 FLAKY = "tests.envs.user_envs:FlakyEnv"
@@ -157,3 +158,17 @@ def test_vllm_engine_runs_the_same_token_exact_episode(ray_cluster, tiny_model_p
     for episode in out.episodes:
         assert episode.num_turns == 3
         assert_token_exact(episode, tokenizer)
+
+
+def test_an_action_space_belongs_to_the_env_it_was_written_for(tokenizer):
+    digits = {"guess_number": {"allowed_tokens": ["1", "2"]}}
+    ids = allowed_token_ids(tokenizer, EnvironmentConfig("guess_number", digits))
+    assert tokenizer.convert_ids_to_tokens(list(ids)) == ["1", "2"]
+    # another env keeps guess_number's section in the config but samples freely
+    assert allowed_token_ids(tokenizer, EnvironmentConfig("my_env:MyEnv", digits)) == ()
+
+
+def test_an_action_space_entry_of_several_tokens_names_its_key(tokenizer):
+    env = EnvironmentConfig("guess_number", {"guess_number": {"allowed_tokens": ["Guess the number"]}})
+    with pytest.raises(ConfigError, match=r"environment.config.guess_number.allowed_tokens entry 'Guess"):
+        allowed_token_ids(tokenizer, env)
