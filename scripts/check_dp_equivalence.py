@@ -1,9 +1,10 @@
 """Train the tiny model for 2 optimizer steps on DP=1, on DP=2 and with micro-batch 1, and compare.
 
 The batch is step-wise with a variable number of turns per episode, so
-mini-batches hold odd row counts and get padded for DP=2. Prints per-quantity
-relative differences, the training metrics (clip_frac, approx_kl, ratio_*,
-entropy) included; the LAST line is the largest of the loss, grad-norm,
+mini-batches hold odd row counts and get padded for DP=2. The loss is the dual-clip
+PPO loss plus a KL term against reference logprobs, so every policy metric is live.
+Prints per-quantity relative differences, the training metrics (clip_frac,
+dual_clip_frac, approx_kl, ratio_*, entropy, kl_loss) included; the LAST line is the largest of the loss, grad-norm,
 gradient and metric relative differences over both comparisons (reviews read it).
 
 Usage: python scripts/check_dp_equivalence.py [--model PATH]
@@ -27,18 +28,37 @@ from skyrl.train.dataset.preprocess import (
     compute_prompt_mini_batch_boundaries,
     trajectories_to_sequences,
 )
-from skyrl.train.schema import OptimizerConfig, PolicyConfig, TrainerConfig
+from skyrl.train.schema import AlgorithmConfig, OptimizerConfig, PolicyConfig, TrainerConfig
 from skyrl.train.training_batch import TrainingInputBatch
 from skyrl.train.workers.actor_group import ActorGroup, create_placement_group
 from skyrl.train.workers.fsdp_worker import PolicyWorker
 
 NUM_PROMPTS, SAMPLES, MINI_BATCH = 4, 2, 2
 # the policy's training metrics: token-weighted means and extremes over the whole mini-batch
-METRICS = ("clip_frac", "approx_kl", "ratio_mean", "ratio_max", "ratio_min", "entropy")
+METRICS = (
+    "clip_frac",
+    "dual_clip_frac",
+    "approx_kl",
+    "ratio_mean",
+    "ratio_max",
+    "ratio_min",
+    "entropy",
+    "kl_loss",
+)
+# the loss under test: dual-clip PPO with clip ranges that one step at this learning rate reaches, + KL
+ALGORITHM = AlgorithmConfig(
+    policy_loss="dual_clip",
+    eps_clip_low=0.02,
+    eps_clip_high=0.02,
+    clip_ratio_c=1.03,
+    use_kl_loss=True,
+    kl_loss_coef=0.1,
+)
 
 
 def stepwise_batch(vocab_size: int, seed: int = 0) -> tuple[TrainingInputBatch, list[tuple[int, int]]]:
-    """Random multi-turn episodes (1-3 turns), rewards 0/1, GRPO step-wise advantages."""
+    """Random multi-turn episodes (1-3 turns), rewards 0/1, GRPO step-wise advantages; reference
+    logprobs are filled in by `train_two_steps` (the old logprobs, perturbed)."""
     rng = random.Random(seed)
     trajectories = []
     for p in range(NUM_PROMPTS):
@@ -91,6 +111,7 @@ def train_two_steps(
         policy=PolicyConfig(optimizer=OptimizerConfig(lr=1e-3, max_grad_norm=1.0)),
         micro_train_batch_size_per_gpu=micro_batch_size,
         micro_forward_batch_size_per_gpu=micro_batch_size,
+        algorithm=ALGORITHM,
     )
     batch, bounds = stepwise_batch(AutoConfig.from_pretrained(model_path).vocab_size)
     pg = create_placement_group(dp_size)
@@ -98,6 +119,8 @@ def train_two_steps(
     try:
         before = flat(group.full_state_dict())
         batch["old_logprobs"] = group.forward(group.stage(batch, bounds, balance, delay_split))["logprobs"]
+        noise = torch.randn(batch["old_logprobs"].shape, generator=torch.Generator().manual_seed(0))
+        batch["ref_logprobs"] = batch["old_logprobs"] + 0.05 * noise
         history, grads = [], []
         for mini in group.stage(batch, bounds, balance, delay_split):
             history += group.train([mini])

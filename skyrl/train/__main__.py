@@ -27,15 +27,19 @@ register_schema()
 
 
 def start_ray(cfg: SkyRLConfig) -> None:
-    """Join `ray.address` (or RAY_ADDRESS) when given, else start a local cluster."""
+    """Join `ray.address` (or RAY_ADDRESS) when given, else start a local cluster that ends with this
+    process however it ends (`utils.reaper`)."""
     import ray
 
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, logging_level="warning")
     else:
+        from skyrl.train.utils.reaper import reap_descendants_on_exit
+
         num_cpus = cfg.ray.num_cpus or max(4, os.cpu_count() or 1)
         ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="warning")
+        reap_descendants_on_exit()  # the local cluster goes with this process, even after SIGKILL
 
 
 def summary(cfg: SkyRLConfig, run_dir: Path, history: list[dict[str, float]]) -> str:
@@ -109,7 +113,8 @@ def failure_report(cfg: SkyRLConfig, run_dir: Path, error: BaseException, argv: 
     else:
         message = str(error).strip().splitlines()
         what = f"{type(error).__name__}: {message[0] if message else ''}"
-    args = [a for a in argv if not a.startswith("hydra.run.dir=")]
+    # the resume command continues this directory: another run dir or resume mode would not
+    args = [a for a in argv if not a.startswith(("hydra.run.dir=", "trainer.resume_mode="))]
     command = shlex.join([sys.executable, "-m", "skyrl.train", *args, f"hydra.run.dir={run_dir}"])
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
     if checkpoint is not None:

@@ -254,27 +254,12 @@ class Trainer:
         groups = (kept + set_aside)[: t.train_batch_size]
         episodes = [e for g in groups for e in g]
         self._tied_steps = self._tied_steps + 1 if all(rewards_tie(g) for g in groups) else 0
-        if self._tied_steps == TIED_STEPS_WARNING:
-            logger.warning(
-                "for %d steps every prompt group's samples all got the same reward, so group-relative "
-                "advantages are 0 and the policy does not learn (grad_norm 0). Check the environment's rewards "
-                "and its action space (environment.config.<env>.allowed_tokens); sampling with more samples or "
-                "a higher temperature also helps.",
-                self._tied_steps,
-            )
-        failed = [e for e in drawn if e.stop_reason == "error"]
-        if failed:
-            logger.warning(
-                "step %d: %d of %d episodes failed in their environment (their turns are %s); first: %s: %s",
-                self.step + 1,
-                len(failed),
-                len(drawn),
-                "masked out of the loss"
-                if self.cfg.generator.env_failure == "mask"
-                else "trained with reward 0",
-                failed[0].trajectory.trajectory_id,
-                failed[0].error,
-            )
+        for warning in (
+            tied_rewards_warning(self._tied_steps),
+            env_failure_warning(self.step + 1, drawn, self.cfg.generator.env_failure),
+        ):
+            if warning:
+                logger.warning(warning)
         metrics = rollout_metrics(episodes, n, seconds)
         excluded: set[str] = set()
         if filter_groups:
@@ -394,7 +379,7 @@ class Trainer:
 
     def train(self, batch: TrainingInputBatch) -> dict[str, float]:
         """`update_epochs_per_batch` passes over the mini-batches: critic, then policy, one optimizer
-        step per mini-batch; metrics averaged over the steps."""
+        step per mini-batch; metrics over all of them (`combine_optimizer_steps`)."""
         t = self.cfg.trainer
         policy_fields = ["loss_mask", "old_logprobs", "advantages"]
         if t.algorithm.use_kl_loss:
@@ -410,13 +395,9 @@ class Trainer:
             if critic is not None:
                 critic_history += self.critic.train(critic)
             history += self.policy.train(policy)
-        metrics = {f"policy/{k}": float(np.mean([h[k] for h in history])) for k in history[0]}
-        metrics["policy/optimizer_steps"] = float(len(history))
+        metrics = {f"policy/{k}": v for k, v in combine_optimizer_steps(history).items()}
         if critic_history:
-            metrics |= {
-                f"critic/{k}": float(np.mean([h[k] for h in critic_history])) for k in critic_history[0]
-            }
-            metrics["critic/optimizer_steps"] = float(len(critic_history))
+            metrics |= {f"critic/{k}": v for k, v in combine_optimizer_steps(critic_history).items()}
         return metrics
 
     def sync_weights(self) -> None:
@@ -575,6 +556,56 @@ def _timer(timings: dict[str, float], name: str) -> Iterator[None]:
     start = time.perf_counter()
     yield
     timings[name] = time.perf_counter() - start
+
+
+def combine_optimizer_steps(history: list[dict[str, float]]) -> dict[str, float]:
+    """A step's training metrics from those of its optimizer steps (each over its whole mini-batch):
+    `loss`, `grad_norm` and `lr` averaged over the steps, `loss_tokens` summed, `*_max` / `*_min` the
+    extreme over the steps that had loss tokens, any other statistic weighted by each step's loss tokens
+    (0 when no step had any), so neither a mini-batch without loss tokens nor the number of mini-batches
+    changes them. Adds `optimizer_steps`."""
+    tokens = [h["loss_tokens"] for h in history]
+    total = sum(tokens)
+    combined = {}
+    for key in history[0]:
+        values = [h[key] for h in history]
+        if key in ("loss", "grad_norm", "lr"):
+            combined[key] = float(np.mean(values))
+        elif key == "loss_tokens":
+            combined[key] = float(total)
+        elif key.endswith(("_max", "_min")):
+            live = [v for v, n in zip(values, tokens, strict=True) if n > 0]
+            combined[key] = float((max if key.endswith("_max") else min)(live)) if live else 0.0
+        else:
+            combined[key] = sum(v * n for v, n in zip(values, tokens, strict=True)) / total if total else 0.0
+    combined["optimizer_steps"] = float(len(history))
+    return combined
+
+
+def tied_rewards_warning(tied_steps: int) -> str | None:
+    """The console warning once every group's rewards tied for `TIED_STEPS_WARNING` steps in a row."""
+    if tied_steps != TIED_STEPS_WARNING:
+        return None
+    return (
+        f"for {tied_steps} steps every prompt group's samples all got the same reward, so group-relative "
+        "advantages are 0 and the policy does not learn (grad_norm 0). Check the environment's rewards and "
+        "its action space (environment.config.<env>.allowed_tokens); more samples per prompt or a higher "
+        "temperature also help."
+    )
+
+
+def env_failure_warning(step: int, episodes: list[Episode], env_failure: str) -> str | None:
+    """The console warning of a step whose environments raised: how many episodes, what their turns
+    train on (`generator.env_failure`) and the first error; None when none raised."""
+    failed = [e for e in episodes if e.stop_reason == "error"]
+    if not failed:
+        return None
+    trained = "masked out of the loss" if env_failure == "mask" else "trained with reward 0"
+    first = failed[0]
+    return (
+        f"step {step}: {len(failed)} of {len(episodes)} episodes failed in their environment (their turns are "
+        f"{trained}); first: {first.trajectory.trajectory_id}: {first.error}"
+    )
 
 
 def rewards_tie(group: list[Episode]) -> bool:

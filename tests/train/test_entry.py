@@ -1,9 +1,11 @@
 """`python -m skyrl.train` configuration: presets, schema checks and one readable error per mistake."""
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -218,6 +220,53 @@ def test_start_ray_joins_the_running_cluster(ray_cluster, via: str):
     }
 
 
+# A driver that starts its own local cluster and an actor at work, then waits to be killed.
+LOCAL_DRIVER_SCRIPT = """
+import json, os, time
+import psutil, ray
+from skyrl.train.__main__ import start_ray
+from skyrl.train.config import compose_config
+
+start_ray(compose_config(["ray.num_cpus=1"]))
+worker = ray.remote(num_cpus=1)(lambda: time.sleep(300)).remote()
+time.sleep(3)  # the actor's worker process is up
+me = psutil.Process()
+print(json.dumps([(p.pid, p.create_time()) for p in me.children(recursive=True)]), flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_local_cluster_goes_away_with_its_driver_after_sigkill():
+    """SIGKILL of the driver (an OOM kill) leaves none of the processes of the cluster it started:
+    GCS, raylet, dashboard and runtime-env agents, workers."""
+    import psutil
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    driver = subprocess.Popen(
+        [sys.executable, "-c", LOCAL_DRIVER_SCRIPT], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        started = [tuple(p) for p in json.loads(driver.stdout.readline())]
+    finally:
+        driver.kill()
+        driver.wait()
+    assert any("raylet" in psutil.Process(pid).name() for pid, _ in started if psutil.pid_exists(pid))
+
+    def alive() -> list[str]:
+        found = []
+        for pid, created in started:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process = psutil.Process(pid)
+                if process.create_time() == created and process.status() != psutil.STATUS_ZOMBIE:
+                    found.append(" ".join(process.cmdline())[:80])
+        return found
+
+    deadline = time.monotonic() + 30
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not alive()
+
+
 def test_a_failed_run_prints_one_paragraph_with_the_command_that_reruns_it(tmp_path):
     data = tmp_path / "prompts.jsonl"
     data.write_text(
@@ -247,6 +296,20 @@ def test_failure_report_names_the_checkpoint_a_rerun_resumes_from(tmp_path):
     report = failure_report(compose_config([]), tmp_path, KeyboardInterrupt(), ["trainer.total_steps=9"])
     assert report.startswith("training stopped: interrupted (Ctrl-C)")
     assert "Resume from global_step_4 with:" in report
+    assert report.endswith(f"-m skyrl.train trainer.total_steps=9 hydra.run.dir={tmp_path}")
+
+
+def test_failure_report_of_a_dead_engine_resumes_without_the_resume_mode_that_would_refuse(tmp_path):
+    from skyrl.train.__main__ import failure_report
+    from skyrl.train.inference.client import EngineDeadError
+
+    (tmp_path / "checkpoints" / "global_step_2").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "global_step_2" / "COMPLETE").touch()
+    error = EngineDeadError("inference engine 0 is dead.\nRay reports: ...\n`await client.restart_engine(0)`")
+    argv = ["trainer.resume_mode=none", "trainer.total_steps=9"]
+    report = failure_report(compose_config([]), tmp_path, error, argv)
+    assert report.startswith("training stopped: EngineDeadError: inference engine 0 is dead.\n")
+    assert "restart_engine" not in report  # API advice a CLI user cannot follow
     assert report.endswith(f"-m skyrl.train trainer.total_steps=9 hydra.run.dir={tmp_path}")
 
 

@@ -398,6 +398,7 @@ def test_a_non_default_value_reaches_the_component_that_uses_it(key, build, file
         ray_init = {}
         monkeypatch.delenv("RAY_ADDRESS", raising=False)
         monkeypatch.setattr(ray, "init", lambda **kwargs: ray_init.update(kwargs))
+        monkeypatch.setattr("skyrl.train.utils.reaper.reap_descendants_on_exit", lambda: None)
         entry.start_ray(cfg)
         if key in ENTRY_EFFECTS:
             assert ENTRY_EFFECTS[key](ray_init, load_datasets(cfg, tokenizer)) == value

@@ -308,3 +308,66 @@ def test_pad_fraction_counts_the_rows_added_to_reach_the_dp_size():
     assert pad_fraction([(0, 3), (3, 8)], 4) == pytest.approx(4 / 12)  # 3 -> 4 and 5 -> 8
     assert pad_fraction([(0, 4), (4, 8)], 4) == 0.0
     assert pad_fraction([(0, 7)], 1) == 0.0
+
+
+def test_step_metrics_weigh_optimizer_steps_by_loss_tokens_and_keep_true_extremes():
+    from skyrl.train.trainer import combine_optimizer_steps
+
+    steps = [
+        {
+            "loss": 0.5,
+            "loss_tokens": 30.0,
+            "clip_frac": 0.2,
+            "ratio_max": 1.5,
+            "ratio_min": 0.9,
+            "grad_norm": 1.0,
+        },
+        {
+            "loss": 0.0,
+            "loss_tokens": 0.0,
+            "clip_frac": 0.0,
+            "ratio_max": 0.0,
+            "ratio_min": 0.0,
+            "grad_norm": 0.0,
+        },
+        {
+            "loss": 0.1,
+            "loss_tokens": 10.0,
+            "clip_frac": 0.6,
+            "ratio_max": 1.2,
+            "ratio_min": 0.7,
+            "grad_norm": 2.0,
+        },
+    ]
+    m = combine_optimizer_steps(steps)
+    assert m["clip_frac"] == pytest.approx((0.2 * 30 + 0.6 * 10) / 40)  # the empty step does not dilute it
+    assert (m["ratio_max"], m["ratio_min"]) == (1.5, 0.7)  # the empty step's 0 is no extreme
+    assert m["loss_tokens"] == 40 and m["optimizer_steps"] == 3
+    assert m["loss"] == pytest.approx(0.2) and m["grad_norm"] == pytest.approx(1.0)
+    empty = combine_optimizer_steps([steps[1]])
+    assert empty["clip_frac"] == 0 and empty["ratio_max"] == 0
+
+
+def test_console_warns_once_when_no_group_had_reward_variance_for_several_steps():
+    from skyrl.train.trainer import TIED_STEPS_WARNING, tied_rewards_warning
+
+    warnings = [tied_rewards_warning(n) for n in range(1, 2 * TIED_STEPS_WARNING)]
+    assert [w is not None for w in warnings].count(True) == 1
+    assert "allowed_tokens" in warnings[TIED_STEPS_WARNING - 1]
+
+
+def test_console_warns_of_env_failures_with_their_count_and_first_error():
+    from skyrl.train.trainer import env_failure_warning
+
+    ok = episode("a", 0, [1.0])
+    failed = [
+        Episode(Trajectory("a", f"a/{i}", [Turn([1], [3], [0.0], [1])]), "error", 0.0, f"ValueError: bad {i}")
+        for i in (1, 2)
+    ]
+    assert env_failure_warning(3, [ok, ok], "mask") is None
+    line = env_failure_warning(3, [ok, *failed], "mask")
+    assert line == (
+        "step 3: 2 of 3 episodes failed in their environment (their turns are masked out of the loss); "
+        "first: a/1: ValueError: bad 1"
+    )
+    assert "trained with reward 0" in env_failure_warning(3, failed, "zero_reward")

@@ -1,6 +1,7 @@
 import copy
 import pickle
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -59,7 +60,7 @@ def test_setitem_with_wrong_row_count_names_the_field():
         batch["values"] = torch.zeros(3, 2)
 
 
-@pytest.mark.parametrize("value", [[1, 2, 3, 4], "abcd", None])
+@pytest.mark.parametrize("value", [np.zeros(4), [1, 2, 3, 4], "abcd", None])
 def test_setitem_refuses_what_the_constructor_refuses(value):
     batch = make_batch(4)
     with pytest.raises(TypeError, match=r"field 'x' must be a torch\.Tensor or TensorList"):

@@ -40,7 +40,8 @@ logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """An engine actor died; the message names the engine and how to restart it."""
+    """An engine actor died; the message's first line names the engine, the rest Ray's cause and how
+    a program holding the client restarts it."""
 
 
 def _engine_class(backend: str) -> type:
@@ -185,8 +186,8 @@ class InferenceEngineClient:
             return await getattr(self._engines[index], method).remote(*args)
         except ray.exceptions.RayActorError as exc:
             raise EngineDeadError(
-                f"inference engine {index} is dead; restart it with `await client.restart_engine({index})`. "
-                f"Ray reports: {exc}"
+                f"inference engine {index} is dead.\nRay reports: {exc}\n"
+                f"A program that holds the client can restart it: `await client.restart_engine({index})`."
             ) from exc
         except ray.exceptions.RayTaskError as exc:
             if isinstance(exc.cause, ValueError):

@@ -337,10 +337,10 @@ class FSDPWorker:
 class MetricTotals:
     """Training metrics accumulated over micro-batches, then reduced over the DP ranks.
 
-    `loss` adds up (each micro-batch's loss is its share of the mini-batch loss);
-    other metrics are per-micro-batch statistics over its loss tokens: means are
-    weighted by those tokens, `*_max` / `*_min` take the extreme over micro-batches
-    that have any. A mini-batch without loss tokens reports 0.
+    `loss` adds up (each micro-batch's loss is its share of the mini-batch loss), and
+    so does `loss_tokens`; other metrics are per-micro-batch statistics over its loss
+    tokens: means are weighted by those tokens, `*_max` / `*_min` take the extreme over
+    micro-batches that have any. A mini-batch without loss tokens reports 0.
     """
 
     def __init__(self, device: torch.device):
@@ -371,8 +371,8 @@ class MetricTotals:
         sums = torch.stack(list(self.sums.values())).to(self.device)
         dist.all_reduce(sums)
         totals = dict(zip(self.sums, sums.tolist(), strict=True))
-        tokens = totals.pop("loss_tokens")
-        result = {k: v if k == "loss" else v / max(tokens, 1.0) for k, v in totals.items()}
+        tokens = totals["loss_tokens"]
+        result = {k: v if k in ("loss", "loss_tokens") else v / max(tokens, 1.0) for k, v in totals.items()}
         if self.extremes:
             extremes = torch.stack(list(self.extremes.values())).to(self.device)
             dist.all_reduce(extremes, op=dist.ReduceOp.MAX)

@@ -34,7 +34,7 @@ def test_killed_engine_fails_requests_clearly_and_restarts_with_current_weights(
             ray.kill(client.engines[index])
             with pytest.raises(
                 EngineDeadError,
-                match=rf"inference engine {index} is dead; restart it with `await client.restart_engine\({index}\)`",
+                match=rf"(?s)inference engine {index} is dead.*`await client.restart_engine\({index}\)`",
             ):
                 await running
             return index
