@@ -1,23 +1,42 @@
-"""Training-step throughput through the Ray FSDP2 policy worker (DP=1) vs a bare torch loop.
+"""Training-step throughput and memory through the Ray FSDP2 policy worker (DP=1) vs a bare torch loop.
 
-Both run the same model (a Qwen2-style model built locally), the same batch,
-the same micro-batch size, AdamW and the same PPO-clip loss; the bare loop is a
-single process with no Ray, no FSDP and no batching classes. Both use the same
-number of CPU threads. Prints tokens/s of each and the ratio skyrl / bare.
+Every variant runs in a fresh process with the same CPU threads, the same model (a Qwen2-style
+model built locally), AdamW and the same PPO-clip loss; the bare loop is a single process with
+no Ray, no FSDP and no batching classes, computing full-vocabulary logits of globally padded rows
+(the layout every row had before this worker packed them).
 
-Usage: python scripts/bench_train.py [--hidden 256] [--layers 4] [--sequences 32] [--length 256]
+`--workload uniform`: random sequences of one length; prints the ratio skyrl / bare.
+`--workload stepwise`: agent-like traces (a system prompt, then turns of response + observation)
+decomposed step-wise, one row per turn; prints (i) skyrl on per-step rows with fixed-size
+micro-batches, (ii) skyrl with prefix-shared rows and token-budget micro-batches, (iii) the bare
+loop over the per-step rows; the last line is `ratio new/old` ((ii) over (i)).
+Throughput counts loss tokens (the response tokens trained on); memory is the peak resident
+memory a process gained during the timed steps (CPU) or the peak allocated (GPU).
+
+Usage: python scripts/bench_train.py [--workload uniform|stepwise] [--hidden 256] [--layers 4] ...
 """
 
 from __future__ import annotations
 
 import argparse
+import random
+import resource
 import tempfile
 import time
 
+import psutil
 import ray
 import torch
 
-from skyrl.train.dataset.preprocess import compute_prompt_mini_batch_boundaries
+from skyrl.train.dataset.preprocess import (
+    Trajectory,
+    Turn,
+    collate_sequences,
+    compute_prompt_mini_batch_boundaries,
+    layout_metrics,
+    prefix_groups,
+    trajectories_to_sequences,
+)
 from skyrl.train.schema import OptimizerConfig, PlacementConfig, PolicyConfig, TrainerConfig
 from skyrl.train.training_batch import TrainingInputBatch
 from skyrl.train.utils.tiny_model import create_tiny_model
@@ -25,30 +44,76 @@ from skyrl.train.workers.actor_group import ActorGroup, create_placement_group
 from skyrl.train.workers.fsdp_worker import PolicyWorker
 
 LR = 1e-5
+VOCAB = 512
 
 
-def make_batch(num_sequences: int, length: int, vocab_size: int) -> TrainingInputBatch:
-    gen = torch.Generator().manual_seed(0)
-    prompt, response = length // 2, length - length // 2
-    batch = TrainingInputBatch(
-        {
-            "sequences": torch.randint(3, vocab_size, (num_sequences, length), generator=gen),
-            "attention_mask": torch.ones(num_sequences, length, dtype=torch.long),
-            "response_mask": torch.ones(num_sequences, response, dtype=torch.long),
-            "loss_mask": torch.ones(num_sequences, response),
-            "advantages": torch.randn(num_sequences, response, generator=gen),
-            "old_logprobs": torch.full((num_sequences, response), -6.0),
-        }
-    )
-    batch.metadata["uids"] = [f"p{i}" for i in range(num_sequences)]
-    assert prompt > 0
+def training_fields(batch: TrainingInputBatch, seed: int = 0) -> TrainingInputBatch:
+    gen = torch.Generator().manual_seed(seed)
+    shape = batch["response_mask"].shape
+    batch["loss_mask"] = batch["response_mask"].float()
+    batch["advantages"] = torch.randn(shape, generator=gen) * batch["loss_mask"]
+    batch["old_logprobs"] = torch.full(shape, -6.0)
     return batch
 
 
-def bare_torch_steps(model_path: str, batch: TrainingInputBatch, micro: int, steps: int) -> float:
-    """Seconds per optimizer step of a plain single-process loop."""
+def uniform_batch(num_sequences: int, length: int) -> TrainingInputBatch:
+    gen = torch.Generator().manual_seed(0)
+    response = length - length // 2
+    batch = TrainingInputBatch(
+        {
+            "sequences": torch.randint(3, VOCAB, (num_sequences, length), generator=gen),
+            "attention_mask": torch.ones(num_sequences, length, dtype=torch.long),
+            "response_mask": torch.ones(num_sequences, response, dtype=torch.long),
+        }
+    )
+    batch.metadata["uids"] = [f"p{i}" for i in range(num_sequences)]
+    return training_fields(batch)
+
+
+def stepwise_batch(trajectories: int, turns: int, system: int, share_prefixes: bool) -> TrainingInputBatch:
+    """Agent-like traces: a `system`-token prompt, then `turns` turns of a 50-300-token response and
+    a 20-200-token observation, contexts extending each other token-exactly; one row per turn."""
+    rng = random.Random(0)
+    episodes = []
+    for t in range(trajectories):
+        context, steps = [rng.randrange(3, VOCAB) for _ in range(system)], []
+        for _ in range(turns):
+            response = [rng.randrange(3, VOCAB) for _ in range(rng.randint(50, 300))]
+            steps.append(Turn(list(context), response, [0.0] * len(response), [1] * len(response)))
+            context += response + [rng.randrange(3, VOCAB) for _ in range(rng.randint(20, 200))]
+        episodes.append(Trajectory(f"p{t}", f"p{t}/0", steps))
+    sequences = trajectories_to_sequences(episodes, step_wise=True)
+    batch = collate_sequences(sequences, pad_token_id=0)
+    batch["prefix_group"] = torch.tensor(
+        prefix_groups(sequences) if share_prefixes else range(len(sequences))
+    )
+    return training_fields(batch)
+
+
+def peak_memory_probe() -> tuple[float, bool]:
+    """What the probe reads now: current RSS (CPU) or resets the GPU peak."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        return float(torch.cuda.memory_allocated()), True
+    return float(psutil.Process().memory_info().rss), False
+
+
+def peak_memory_since(start: tuple[float, bool]) -> float:
+    base, gpu = start
+    peak = (
+        torch.cuda.max_memory_allocated()
+        if gpu
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
+    return max(0.0, peak - base)
+
+
+@ray.remote
+def bare_torch_steps(model_path: str, batch: TrainingInputBatch, micro: int, steps: int, threads: int):
+    """Seconds per optimizer step of a plain single-process loop, and its peak memory growth."""
     from transformers import AutoModelForCausalLM
 
+    torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     response = batch["response_mask"].shape[1]
@@ -57,60 +122,77 @@ def bare_torch_steps(model_path: str, batch: TrainingInputBatch, micro: int, ste
     def step() -> None:
         optimizer.zero_grad()
         for start in range(0, len(batch), micro):
-            seq = batch["sequences"][start : start + micro]
-            logits = model(input_ids=seq).logits[:, -response - 1 : -1]
+            rows = slice(start, start + micro)
+            seq, mask = batch["sequences"][rows], batch["attention_mask"][rows]
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            logits = model(input_ids=seq, attention_mask=mask, position_ids=positions).logits
+            logits = logits[:, -response - 1 : -1].float()
             logprobs = logits.gather(-1, seq[:, -response:, None])[..., 0] - logits.logsumexp(-1)
-            ratio = (logprobs - batch["old_logprobs"][start : start + micro]).exp()
-            adv = batch["advantages"][start : start + micro]
-            loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)).sum() / num_tokens
-            loss.backward()
+            ratio = (logprobs - batch["old_logprobs"][rows]).exp()
+            adv, loss_mask = batch["advantages"][rows], batch["loss_mask"][rows]
+            surrogate = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+            ((surrogate * loss_mask).sum() / num_tokens).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
 
     step()  # warm-up
+    probe = peak_memory_probe()
     start = time.perf_counter()
     for _ in range(steps):
         step()
-    return (time.perf_counter() - start) / steps
+    return (time.perf_counter() - start) / steps, peak_memory_since(probe)
 
 
 def skyrl_steps(
-    model_path: str, batch: TrainingInputBatch, micro: int, steps: int, threads: int
-) -> tuple[float, int]:
-    """Seconds per optimizer step through ActorGroup.train (dispatch, object store, FSDP2 worker), and its threads."""
+    model_path: str, batch: TrainingInputBatch, micro: int, max_tokens: int | None, steps: int, threads: int
+) -> tuple[float, float]:
+    """Seconds per optimizer step through ActorGroup.train (dispatch, object store, FSDP2 worker), and
+    the worker's peak memory growth."""
     cfg = TrainerConfig(
         policy=PolicyConfig(optimizer=OptimizerConfig(lr=LR)),
         micro_train_batch_size_per_gpu=micro,
+        max_tokens_per_micro_batch=max_tokens,
         placement=PlacementConfig(cpus_per_worker=threads),
     )
     pg = create_placement_group(1, cpus_per_bundle=threads)
     group = ActorGroup(PolicyWorker, cfg, model_path, 1, pg)
-    bounds = compute_prompt_mini_batch_boundaries(batch.metadata["uids"], len(batch), len(batch), False, 1)
+    uids = [f"p{i}" for i in range(len(batch))] if "uids" not in batch.metadata else batch.metadata["uids"]
+    prompts = len(dict.fromkeys(uids))
+    bounds = compute_prompt_mini_batch_boundaries(uids, prompts, prompts, True, 1)
     try:
-        actor_threads = ray.get(group.actors[0].__ray_call__.remote(lambda _: torch.get_num_threads()))
-        group.train(batch, bounds)  # warm-up
+        group.train(group.stage(batch, bounds))  # warm-up
+        probe = ray.get(group.actors[0].__ray_call__.remote(lambda _: peak_memory_probe()))
         start = time.perf_counter()
         for _ in range(steps):
-            group.train(batch, bounds)
-        return (time.perf_counter() - start) / steps, actor_threads
+            group.train(group.stage(batch, bounds))
+        seconds = (time.perf_counter() - start) / steps
+        peak = ray.get(group.actors[0].__ray_call__.remote(lambda _, p: peak_memory_since(p), probe))
+        return seconds, peak
     finally:
         group.kill()
+        ray.util.remove_placement_group(pg)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--workload", choices=["uniform", "stepwise"], default="uniform")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--sequences", type=int, default=32)
-    parser.add_argument("--length", type=int, default=256)
+    parser.add_argument("--sequences", type=int, default=32, help="uniform: rows")
+    parser.add_argument("--length", type=int, default=256, help="uniform: tokens per row")
+    parser.add_argument("--trajectories", type=int, default=16, help="stepwise")
+    parser.add_argument("--turns", type=int, default=8, help="stepwise")
+    parser.add_argument("--system", type=int, default=200, help="stepwise: system prompt tokens")
+    parser.add_argument("--max-tokens", type=int, default=8192, help="stepwise: the new path's token budget")
     parser.add_argument("--micro", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ray.init(num_cpus=args.threads, include_dashboard=False, logging_level="warning")
+    mib = 1 / 2**20
     with tempfile.TemporaryDirectory() as tmp:
         path = str(
             create_tiny_model(
@@ -119,17 +201,54 @@ def main() -> None:
                 num_layers=args.layers,
                 num_heads=args.hidden // 64,
                 intermediate_size=4 * args.hidden,
+                vocab_size=VOCAB,
             )
         )
-        batch = make_batch(args.sequences, args.length, 512)
-        tokens = int(batch["attention_mask"].sum())
-        bare = bare_torch_steps(path, batch, args.micro, args.steps)
-        ours, actor_threads = skyrl_steps(path, batch, args.micro, args.steps, args.threads)
-    print(
-        f"train step, {args.sequences} x {args.length} tokens, hidden {args.hidden} x {args.layers} layers, "
-        f"micro-batch {args.micro}: skyrl (Ray + FSDP2, DP=1, {actor_threads} threads) {tokens / ours:,.0f} tokens/s, "
-        f"bare torch ({torch.get_num_threads()} threads) {tokens / bare:,.0f} tokens/s, ratio {bare / ours:.3f}"
-    )
+        model = f"hidden {args.hidden} x {args.layers} layers, {args.threads} threads"
+        if args.workload == "uniform":
+            batch = uniform_batch(args.sequences, args.length)
+            loss_tokens = float(batch["loss_mask"].sum())
+            bare, bare_mem = ray.get(
+                bare_torch_steps.remote(path, batch, args.micro, args.steps, args.threads)
+            )
+            ours, ours_mem = skyrl_steps(path, batch, args.micro, None, args.steps, args.threads)
+            print(
+                f"uniform: {args.sequences} x {args.length} tokens, {model}, micro-batch {args.micro}: "
+                f"skyrl {loss_tokens / ours:,.0f} loss tokens/s (+{ours_mem * mib:.0f} MiB), "
+                f"bare torch {loss_tokens / bare:,.0f} (+{bare_mem * mib:.0f} MiB)"
+            )
+            print(f"ratio skyrl/bare {bare / ours:.3f}")
+            return
+        per_step = stepwise_batch(args.trajectories, args.turns, args.system, share_prefixes=False)
+        shared = stepwise_batch(args.trajectories, args.turns, args.system, share_prefixes=True)
+        loss_tokens = float(per_step["loss_mask"].sum())
+        tokens = layout_metrics(
+            shared["prefix_group"], shared["attention_mask"], shared.metadata["trajectory_ids"]
+        )
+        print(
+            f"stepwise: {args.trajectories} trajectories x {args.turns} turns = {len(per_step)} rows, {model}; "
+            f"{loss_tokens:,.0f} loss tokens; the rows hold {tokens['batch/stepwise_tokens']:,.0f} tokens, "
+            f"{tokens['batch/trained_tokens']:,.0f} prefix-shared, {per_step['sequences'].numel():,} padded"
+        )
+        old, old_mem = skyrl_steps(path, per_step, args.micro, None, args.steps, args.threads)
+        print(
+            f"(i) skyrl, per-step rows, micro-batches of {args.micro} rows: {loss_tokens / old:,.0f} loss "
+            f"tokens/s, {old:.2f} s/step, peak +{old_mem * mib:.0f} MiB"
+        )
+        new, new_mem = skyrl_steps(path, shared, args.micro, args.max_tokens, args.steps, args.threads)
+        print(
+            f"(ii) skyrl, prefix-shared rows, {args.max_tokens}-token micro-batches: {loss_tokens / new:,.0f} "
+            f"loss tokens/s, {new:.2f} s/step, peak +{new_mem * mib:.0f} MiB"
+        )
+        bare, bare_mem = ray.get(
+            bare_torch_steps.remote(path, per_step, args.micro, args.steps, args.threads)
+        )
+        print(
+            f"(iii) bare torch, per-step rows padded to {tuple(per_step['sequences'].shape)}, micro-batches of "
+            f"{args.micro}: {loss_tokens / bare:,.0f} loss tokens/s, {bare:.2f} s/step, peak +{bare_mem * mib:.0f} MiB"
+        )
+        print(f"new/bare {bare / new:.3f}")
+        print(f"ratio new/old {old / new:.3f}")
 
 
 if __name__ == "__main__":

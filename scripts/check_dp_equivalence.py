@@ -1,7 +1,11 @@
-"""Train the tiny model for 2 optimizer steps on DP=1, on DP=2 and with micro-batch 1, and compare.
+"""Train the tiny model for 2 optimizer steps in every compute layout and compare with the plain path.
 
-The batch is step-wise with a variable number of turns per episode, so
-mini-batches hold odd row counts and get padded for DP=2. The loss is the dual-clip
+The plain path: per-step rows on one rank, fixed micro-batches of 2 rows. The layouts
+(`COMPARISONS`): DP=2 (strided, KK-balanced, delayed split), micro-batch 1, token-budget
+micro-batches, and prefix-shared step-wise rows (a trajectory's steps computed as one
+sequence), for every loss reduction and advantage estimator (GAE with a critic, whose
+loss and metrics are compared too). The batch is step-wise with a variable number of
+turns per episode, so mini-batches hold odd row counts and get padded for DP=2. The loss is the dual-clip
 PPO loss plus a KL term against reference logprobs, so every policy metric is live.
 Prints per-quantity relative differences, the training metrics (clip_frac,
 dual_clip_frac, approx_kl, ratio_*, entropy, kl_loss) included; the LAST line is the largest of the loss, grad-norm,
@@ -15,7 +19,7 @@ from __future__ import annotations
 import argparse
 import random
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ray
 import torch
@@ -26,12 +30,13 @@ from skyrl.train.dataset.preprocess import (
     Turn,
     collate_sequences,
     compute_prompt_mini_batch_boundaries,
+    prefix_groups,
     trajectories_to_sequences,
 )
-from skyrl.train.schema import AlgorithmConfig, OptimizerConfig, PolicyConfig, TrainerConfig
+from skyrl.train.schema import AlgorithmConfig, ModelConfig, OptimizerConfig, PolicyConfig, TrainerConfig
 from skyrl.train.training_batch import TrainingInputBatch
 from skyrl.train.workers.actor_group import ActorGroup, create_placement_group
-from skyrl.train.workers.fsdp_worker import PolicyWorker
+from skyrl.train.workers.fsdp_worker import CriticWorker, PolicyWorker
 
 NUM_PROMPTS, SAMPLES, MINI_BATCH = 4, 2, 2
 # the policy's training metrics: token-weighted means and extremes over the whole mini-batch
@@ -45,6 +50,8 @@ METRICS = (
     "entropy",
     "kl_loss",
 )
+CRITIC_METRICS = ("critic/loss", "critic/grad_norm", "critic/vf_clip_frac")
+MAX_SEQ_LEN = 32  # seq_mean_token_sum_norm's constant
 # the loss under test: dual-clip PPO with clip ranges that one step at this learning rate reaches, + KL
 ALGORITHM = AlgorithmConfig(
     policy_loss="dual_clip",
@@ -53,12 +60,16 @@ ALGORITHM = AlgorithmConfig(
     clip_ratio_c=1.03,
     use_kl_loss=True,
     kl_loss_coef=0.1,
+    entropy_coeff=0.01,
 )
 
 
-def stepwise_batch(vocab_size: int, seed: int = 0) -> tuple[TrainingInputBatch, list[tuple[int, int]]]:
-    """Random multi-turn episodes (1-3 turns), rewards 0/1, GRPO step-wise advantages; reference
-    logprobs are filled in by `train_two_steps` (the old logprobs, perturbed)."""
+def stepwise_batch(
+    vocab_size: int, seed: int = 0, share_prefixes: bool = False
+) -> tuple[TrainingInputBatch, list[tuple[int, int]]]:
+    """Random multi-turn episodes (1-3 turns, contexts extending each other token-exactly), rewards
+    0/1, GRPO step-wise advantages, and the mini-batch boundaries; with `share_prefixes` the steps of a
+    trajectory form one prefix group (computed as one sequence), otherwise every row is its own."""
     rng = random.Random(seed)
     trajectories = []
     for p in range(NUM_PROMPTS):
@@ -71,25 +82,40 @@ def stepwise_batch(vocab_size: int, seed: int = 0) -> tuple[TrainingInputBatch, 
                 context += response + [rng.randrange(3, vocab_size) for _ in range(3)]
             turns[-1].reward = float(rng.random() < 0.5)
             trajectories.append(Trajectory(f"p{p}", f"p{p}/{s}", turns))
-    batch = collate_sequences(trajectories_to_sequences(trajectories, step_wise=True), pad_token_id=0)
-    advantages, _ = compute_stepwise_advantages(
+    sequences = trajectories_to_sequences(trajectories, step_wise=True)
+    batch = collate_sequences(sequences, pad_token_id=0)
+    batch["prefix_group"] = torch.tensor(
+        prefix_groups(sequences) if share_prefixes else range(len(sequences))
+    )
+    meta = batch.metadata
+    batch["advantages"], _ = compute_stepwise_advantages(
         "grpo",
         batch["rewards"],
         batch["response_mask"],
-        batch.metadata["uids"],
-        batch.metadata["trajectory_ids"],
-        batch.metadata["is_last_step"],
+        meta["uids"],
+        meta["trajectory_ids"],
+        meta["is_last_step"],
     )
-    batch["advantages"] = advantages
-    bounds = compute_prompt_mini_batch_boundaries(
-        batch.metadata["uids"], MINI_BATCH, NUM_PROMPTS, True, SAMPLES
-    )
+    bounds = compute_prompt_mini_batch_boundaries(meta["uids"], MINI_BATCH, NUM_PROMPTS, True, SAMPLES)
     return batch, bounds
 
 
 @dataclass
+class Layout:
+    """How the rows are computed; every layout must train like `Layout()` on one rank."""
+
+    dp_size: int = 1
+    micro_batch_size: int = 2
+    balance: bool = False
+    delay_split: bool = False
+    share_prefixes: bool = False
+    max_tokens: int | None = None  # token-budget micro-batches
+    gradient_checkpointing: bool = False
+
+
+@dataclass
 class RunResult:
-    metrics: list[dict[str, float]]  # per optimizer step, as the workers report them
+    metrics: list[dict[str, float]]  # per optimizer step, as the workers report them (critic/* too)
     losses: list[float]
     grad_norms: list[float]
     gradients: list[torch.Tensor]
@@ -102,32 +128,59 @@ def flat(state: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def train_two_steps(
-    model_path: str, dp_size: int, micro_batch_size: int = 2, balance: bool = False, delay_split: bool = False
+    model_path: str, layout: Layout | None = None, estimator: str = "grpo", reduction: str = "token_mean"
 ) -> RunResult:
-    """Two optimizer steps (one per mini-batch) on a fresh actor group of `dp_size` ranks."""
+    """Two optimizer steps (one per mini-batch) on fresh actor groups laid out as `layout`: the policy,
+    and with `estimator=gae` a critic whose values make the advantages and which trains first."""
     from transformers import AutoConfig
 
+    layout = layout or Layout()
     cfg = TrainerConfig(
-        policy=PolicyConfig(optimizer=OptimizerConfig(lr=1e-3, max_grad_norm=1.0)),
-        micro_train_batch_size_per_gpu=micro_batch_size,
-        micro_forward_batch_size_per_gpu=micro_batch_size,
-        algorithm=ALGORITHM,
+        policy=PolicyConfig(
+            model=ModelConfig(gradient_checkpointing=layout.gradient_checkpointing),
+            optimizer=OptimizerConfig(lr=1e-3, max_grad_norm=1.0),
+        ),
+        micro_train_batch_size_per_gpu=layout.micro_batch_size,
+        micro_forward_batch_size_per_gpu=layout.micro_batch_size,
+        max_tokens_per_micro_batch=layout.max_tokens,
+        algorithm=replace(ALGORITHM, loss_reduction=reduction, max_seq_len=MAX_SEQ_LEN),
     )
-    batch, bounds = stepwise_batch(AutoConfig.from_pretrained(model_path).vocab_size)
-    pg = create_placement_group(dp_size)
-    group = ActorGroup(PolicyWorker, cfg, model_path, dp_size, pg)
+    vocab_size = AutoConfig.from_pretrained(model_path).vocab_size
+    batch, bounds = stepwise_batch(vocab_size, share_prefixes=layout.share_prefixes)
+    meta = batch.metadata
+    split = (layout.balance, layout.delay_split)
+    pg = create_placement_group(2 * layout.dp_size if estimator == "gae" else layout.dp_size)
+    groups = [ActorGroup(PolicyWorker, cfg, model_path, layout.dp_size, pg)]
+    if estimator == "gae":
+        groups.append(
+            ActorGroup(CriticWorker, cfg, model_path, layout.dp_size, pg, bundle_offset=layout.dp_size)
+        )
+    policy, critic = groups[0], groups[1] if len(groups) > 1 else None
     try:
-        before = flat(group.full_state_dict())
-        batch["old_logprobs"] = group.forward(group.stage(batch, bounds, balance, delay_split))["logprobs"]
+        before = flat(policy.full_state_dict())
+        batch["old_logprobs"] = policy.forward(policy.stage(batch, bounds, *split))["logprobs"]
         noise = torch.randn(batch["old_logprobs"].shape, generator=torch.Generator().manual_seed(0))
         batch["ref_logprobs"] = batch["old_logprobs"] + 0.05 * noise
+        values = critic.forward(critic.stage(batch, bounds, *split))["values"] if critic else None
+        batch["old_values"] = values if critic else torch.zeros_like(batch["old_logprobs"])
+        batch["advantages"], batch["returns"] = compute_stepwise_advantages(
+            estimator,
+            batch["rewards"],
+            batch["response_mask"],
+            meta["uids"],
+            meta["trajectory_ids"],
+            meta["is_last_step"],
+            values,
+        )
         history, grads = [], []
-        for mini in group.stage(batch, bounds, balance, delay_split):
-            history += group.train([mini])
-            grads.append(group.run("gradient_vector")[0])
-        update = flat(group.full_state_dict()) - before
+        for mini in policy.stage(batch, bounds, *split):
+            step = {f"critic/{k}": v for k, v in critic.train([mini])[0].items()} if critic else {}
+            history.append(step | policy.train([mini])[0])
+            grads.append(policy.run("gradient_vector")[0])
+        update = flat(policy.full_state_dict()) - before
     finally:
-        group.kill()
+        for group in groups:
+            group.kill()
         ray.util.remove_placement_group(pg)
     return RunResult(
         history, [m["loss"] for m in history], [m["grad_norm"] for m in history], grads, update, len(bounds)
@@ -147,14 +200,47 @@ def relative_differences(a: RunResult, b: RunResult) -> dict[str, float]:
         "gradient": max(rel(x.double(), y.double()) for x, y in zip(a.gradients, b.gradients, strict=True)),
         "param_update": rel(a.update, b.update),
     }
-    for key in METRICS:
-        diffs[key] = max(rel_scalar(x[key], y[key]) for x, y in zip(a.metrics, b.metrics, strict=True))
+    for key in [*METRICS, *CRITIC_METRICS]:
+        if key in a.metrics[0]:
+            diffs[key] = max(rel_scalar(x[key], y[key]) for x, y in zip(a.metrics, b.metrics, strict=True))
     return diffs
 
 
 def headline(diffs: dict[str, float]) -> float:
     """The figure the last line prints: every compared quantity except the parameter update."""
     return max(v for k, v in diffs.items() if k != "param_update")
+
+
+# (name, advantage estimator, loss reduction, layout): each must train like Layout() with the same
+# estimator and reduction (the plain path: per-step rows, one rank, fixed micro-batches of 2 rows)
+SHARED_DP2 = Layout(dp_size=2, balance=True, share_prefixes=True, max_tokens=24)
+COMPARISONS = [
+    ("DP=2", "grpo", "token_mean", Layout(dp_size=2)),
+    ("micro-batch 1", "grpo", "token_mean", Layout(micro_batch_size=1)),
+    ("DP=2 balanced", "grpo", "token_mean", Layout(dp_size=2, balance=True)),
+    ("DP=2 balanced, delayed split", "grpo", "token_mean", Layout(dp_size=2, balance=True, delay_split=True)),
+    ("prefix-shared", "grpo", "token_mean", Layout(share_prefixes=True)),
+    ("token budget 1 (a sequence each)", "grpo", "token_mean", Layout(max_tokens=1)),
+    (
+        "token budget 1000 (the whole rank)",
+        "grpo",
+        "token_mean",
+        Layout(share_prefixes=True, max_tokens=1000),
+    ),
+    ("prefix-shared, DP=2, budget 24", "grpo", "token_mean", SHARED_DP2),
+    ("prefix-shared, DP=2, delayed", "grpo", "token_mean", replace(SHARED_DP2, delay_split=True)),
+    (
+        "gradient checkpointing, prefix-shared, DP=2",
+        "grpo",
+        "token_mean",
+        replace(SHARED_DP2, gradient_checkpointing=True),
+    ),
+    ("sequence_mean, prefix-shared, DP=2", "grpo", "sequence_mean", SHARED_DP2),
+    ("seq_mean_token_sum_norm, prefix-shared, DP=2", "grpo", "seq_mean_token_sum_norm", SHARED_DP2),
+    ("rloo, prefix-shared, DP=2", "rloo", "token_mean", SHARED_DP2),
+    ("reinforce++, prefix-shared, DP=2", "reinforce++", "token_mean", SHARED_DP2),
+    ("gae + critic, prefix-shared, DP=2", "gae", "token_mean", SHARED_DP2),
+]
 
 
 def main() -> None:
@@ -164,21 +250,24 @@ def main() -> None:
     parser.add_argument("--model", help="model directory (default: a fresh tiny model)")
     args = parser.parse_args()
     ray.init(num_cpus=4, include_dashboard=False, logging_level="warning")
+    worst = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         if args.model is None:
             from skyrl.train.utils.tiny_model import create_tiny_model
 
             args.model = str(create_tiny_model(tmp))
-        dp1 = train_two_steps(args.model, 1)
-        runs = {"DP=2": train_two_steps(args.model, 2), "micro-batch 1": train_two_steps(args.model, 1, 1)}
-    print(f"DP=1, micro-batch 2: losses {dp1.losses} grad norms {dp1.grad_norms}")
-    for step, metrics in enumerate(dp1.metrics):
-        print(f"  step {step} metrics " + " ".join(f"{k} {metrics[k]:.6g}" for k in METRICS))
-    worst = 0.0
-    for name, run in runs.items():
-        diffs = relative_differences(dp1, run)
-        print(f"{name} vs DP=1: " + ", ".join(f"{k} {v:.3e}" for k, v in diffs.items()))
-        worst = max(worst, headline(diffs))
+        plain: dict[tuple[str, str], RunResult] = {}
+        for name, estimator, reduction, layout in COMPARISONS:
+            if (estimator, reduction) not in plain:
+                base = plain[estimator, reduction] = train_two_steps(args.model, None, estimator, reduction)
+                print(f"plain {estimator}/{reduction}: losses {base.losses} grad norms {base.grad_norms}")
+                for step, metrics in enumerate(base.metrics):
+                    print(f"  step {step} metrics " + " ".join(f"{k} {metrics[k]:.6g}" for k in METRICS))
+            diffs = relative_differences(
+                plain[estimator, reduction], train_two_steps(args.model, layout, estimator, reduction)
+            )
+            print(f"{name} vs plain: " + ", ".join(f"{k} {v:.3e}" for k, v in diffs.items()))
+            worst = max(worst, headline(diffs))
     print(f"{worst:.3e}")
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from skyrl.train.overrides import check_config_name, check_overrides
-from skyrl.train.schema import ENV_FAILURE_MODES, SkyRLConfig
+from skyrl.train.schema import ATTN_IMPLEMENTATIONS, ENV_FAILURE_MODES, ROLES, SkyRLConfig
 from skyrl.train.utils.errors import ConfigError
 
 
@@ -203,6 +203,22 @@ def validate_config(cfg: SkyRLConfig) -> None:
         f"{d.max_prompt_length + 256}.",
     )
     validate_batch_sizes(batch_sizes(cfg))
+    _require(
+        t.max_tokens_per_micro_batch is None or t.max_tokens_per_micro_batch > 0,
+        f"trainer.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} must be positive (tokens per "
+        "micro-batch), e.g. trainer.max_tokens_per_micro_batch=8192, or null for fixed-size micro-batches.",
+    )
+    _require(
+        t.logprob_chunk_tokens > 0,
+        f"trainer.logprob_chunk_tokens={t.logprob_chunk_tokens} must be positive, e.g. 1024.",
+    )
+    for role in ROLES:
+        implementation = getattr(t, role).model.attn_implementation
+        _require(
+            implementation in ATTN_IMPLEMENTATIONS,
+            f"trainer.{role}.model.attn_implementation={implementation!r} is not one of "
+            f"{list(ATTN_IMPLEMENTATIONS)}; sdpa works everywhere.",
+        )
     _known("trainer.algorithm.advantage_estimator", a.advantage_estimator, get_advantage_estimator)
     _known("trainer.algorithm.policy_loss", a.policy_loss, get_policy_loss)
     _require(

@@ -16,13 +16,22 @@ from typing import Any
 # ---------------------------------------------------------------------------
 
 
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+
+
 @dataclass
 class ModelConfig:
     """`path`: a local directory or HF hub name loaded with from_pretrained; `tiny` builds the
     default tiny model locally (no network) and loads it from its cache directory. The reference
-    and critic default to null: the policy's model."""
+    and critic default to null: the policy's model. `gradient_checkpointing` recomputes each
+    decoder layer's activations in the backward pass (less memory, ~1/3 more compute; trained
+    models only). `attn_implementation`: one of `ATTN_IMPLEMENTATIONS`; `flash_attention_2`
+    (GPU, the flash-attn package) computes micro-batches as packed sequences without padding,
+    the others right-pad each micro-batch to its own longest sequence."""
 
     path: str | None = "tiny"
+    gradient_checkpointing: bool = False
+    attn_implementation: str = "sdpa"
 
 
 @dataclass
@@ -140,6 +149,11 @@ class TrainerConfig:
     critic_mini_batch_size: int = 4
     micro_train_batch_size_per_gpu: int = 8  # sequences
     micro_forward_batch_size_per_gpu: int = 16
+    # tokens per micro-batch (forward and train), balanced by token count; null: the sizes above
+    max_tokens_per_micro_batch: int | None = None
+    # compute the steps of a trajectory as one sequence when each extends the previous one
+    stepwise_prefix_sharing: bool = True
+    logprob_chunk_tokens: int = 1024  # tokens per LM-head chunk: [chunk, vocab] logits at a time
     update_epochs_per_batch: int = 1
     balance_dp: bool = False  # assign sequences to DP ranks by token count (Karmarkar-Karp)
     delay_split_by_dp: bool = False

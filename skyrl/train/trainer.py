@@ -39,7 +39,9 @@ from skyrl.train.algorithms import (
 from skyrl.train.dataset.preprocess import (
     collate_sequences,
     compute_prompt_mini_batch_boundaries,
+    layout_metrics,
     mask_groups,
+    prefix_groups,
     trajectories_to_sequences,
 )
 from skyrl.train.dataset.prompt_dataset import PromptDataset, PromptLoader
@@ -57,7 +59,8 @@ from skyrl.train.workers.fsdp_worker import CHECKPOINT_DONE, CriticWorker, FSDPW
 logger = logging.getLogger(__name__)
 TRAINER_STATE = "trainer_state.json"
 TIED_STEPS_WARNING = 5  # warn after this many steps without a group that has reward variance
-FORWARD_FIELDS = ["sequences", "attention_mask", "response_mask"]  # what every forward pass reads
+# what every forward pass reads (prefix_group: which rows are computed as one sequence)
+FORWARD_FIELDS = ["sequences", "attention_mask", "response_mask", "prefix_group"]
 
 
 class Trainer:
@@ -223,6 +226,9 @@ class Trainer:
             "batch/sequences": float(len(batch)),
             "batch/pad_fraction": pad_fraction(policy_bounds, self.policy.num_workers),
             "dispatch/object_store_bytes": float(self._dispatch_bytes),
+            **layout_metrics(
+                batch["prefix_group"], batch["attention_mask"], batch.metadata["trajectory_ids"]
+            ),
         }
 
     def generate(self) -> tuple[list[Episode], set[str], dict[str, float]]:
@@ -278,9 +284,14 @@ class Trainer:
         return episodes, excluded, metrics
 
     def make_batch(self, episodes: list[Episode], excluded_uids: set[str]) -> TrainingInputBatch:
-        """The step's training rows; rows of the `excluded_uids` groups get loss mask 0."""
-        seqs = trajectories_to_sequences([e.trajectory for e in episodes], self.cfg.generator.step_wise)
+        """The step's training rows; rows of the `excluded_uids` groups get loss mask 0. With
+        `stepwise_prefix_sharing` the steps of a trajectory that extend each other share a prefix group
+        (computed as one sequence); otherwise every row is its own."""
+        step_wise = self.cfg.generator.step_wise
+        seqs = trajectories_to_sequences([e.trajectory for e in episodes], step_wise)
         batch = collate_sequences(seqs, self.tokenizer.pad_token_id)
+        shared = step_wise and self.cfg.trainer.stepwise_prefix_sharing
+        batch["prefix_group"] = torch.tensor(prefix_groups(seqs) if shared else range(len(seqs)))
         if excluded_uids:
             batch["loss_mask"] = mask_groups(batch["loss_mask"], batch.metadata["uids"], excluded_uids)
         return batch

@@ -124,6 +124,9 @@ class TrainingInputBatch:
     def __contains__(self, key: str) -> bool:
         return key in self._data
 
+    def get(self, key: str, default: Field | None = None) -> Field | None:
+        return self._data.get(key, default)
+
     def keys(self):
         return self._data.keys()
 
@@ -295,15 +298,35 @@ def pad_training_input_batch(batch: TrainingInputBatch, pad_size: int) -> Traini
     return padded
 
 
+def row_groups(prefix_group: torch.Tensor | None, num_rows: int) -> list[list[int]]:
+    """Row indices grouped by `prefix_group` (each row alone when None), groups in order of first row."""
+    if prefix_group is None:
+        return [[i] for i in range(num_rows)]
+    groups: dict[int, list[int]] = {}
+    for i, group in enumerate(prefix_group.tolist()):
+        groups.setdefault(group, []).append(i)
+    return list(groups.values())
+
+
 def partition_rows(batch: TrainingInputBatch, dp_size: int, balance: bool) -> list[list[int]]:
     """Row indices of each DP rank, for a batch whose length is a multiple of `dp_size`.
 
-    The `partition`s of `split_train_data_by_dp` over the rows' attended tokens.
-    The driver-side split and the delayed split (each worker) both call this, and it
-    is deterministic, so every rank gets the same rows either way.
+    The unit of assignment is a prefix group (`prefix_group` field; each row alone without
+    it): its rows are computed as one sequence, so they go to one rank. Units are assigned by
+    `split_train_data_by_dp`'s rule over their longest row's attended tokens (strided when
+    there are fewer units than ranks, leaving some ranks without rows). The driver-side split
+    and the delayed split (each worker) both call this, and it is deterministic, so every rank
+    gets the same rows either way.
     """
     n = len(batch)
     if n % dp_size != 0:
         raise ValueError(f"a batch of {n} rows cannot be split over {dp_size} ranks; pad it first")
-    tokens = [seq[mask.bool()] for seq, mask in zip(batch["sequences"], batch["attention_mask"], strict=True)]
-    return [part["partition"] for part in split_train_data_by_dp({"tokens": tokens}, dp_size, balance)]
+    units = row_groups(batch.get("prefix_group"), n)
+    sequences, attention_mask = batch["sequences"], batch["attention_mask"]
+    longest = [max(unit, key=lambda i: int(attention_mask[i].sum())) for unit in units]
+    tokens = [sequences[i][attention_mask[i].bool()] for i in longest]
+    if len(units) >= dp_size:
+        parts = [part["partition"] for part in split_train_data_by_dp({"tokens": tokens}, dp_size, balance)]
+    else:
+        parts = [list(range(r, len(units), dp_size)) for r in range(dp_size)]
+    return [sorted(i for u in part for i in units[u]) for part in parts]

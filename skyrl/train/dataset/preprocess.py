@@ -206,6 +206,44 @@ def collate_sequences(sequences: Sequence[TrainingSequence], pad_token_id: int) 
     return batch
 
 
+def prefix_groups(sequences: Sequence[TrainingSequence]) -> list[int]:
+    """Per row, its prefix group: consecutive rows of one trajectory share a group while each row's
+    prompt + response is a token-exact prefix of the next row's prompt, so every row of a group is a
+    prefix of its last one and one forward of that computes them all; a context that does not extend
+    the previous one (truncation, a template that rewrites history) starts a new group. Ids count
+    from 0 in row order."""
+    groups: list[int] = []
+    for i, seq in enumerate(sequences):
+        previous = sequences[i - 1] if i else None
+        seen = len(previous.prompt_ids) + len(previous.response_ids) if previous else 0
+        extends = (
+            previous is not None
+            and previous.trajectory_id == seq.trajectory_id
+            and seq.prompt_ids[:seen] == previous.prompt_ids + previous.response_ids
+        )
+        groups.append(groups[-1] if extends else (groups[-1] + 1 if groups else 0))
+    return groups
+
+
+def layout_metrics(
+    prefix_group: torch.Tensor, attention_mask: torch.Tensor, trajectory_ids: Sequence[str]
+) -> dict[str, float]:
+    """`batch/stepwise_tokens` (tokens the per-step rows hold), `batch/trained_tokens` (tokens forwarded
+    once rows of a prefix group are computed as their longest) and `batch/prefix_shared_fraction`
+    (share of trajectories computed as one sequence)."""
+    lengths = attention_mask.sum(-1).tolist()
+    longest: dict[int, int] = {}
+    groups_of: dict[str, set[int]] = {}
+    for group, length, trajectory in zip(prefix_group.tolist(), lengths, trajectory_ids, strict=True):
+        longest[group] = max(longest.get(group, 0), length)
+        groups_of.setdefault(trajectory, set()).add(group)
+    return {
+        "batch/stepwise_tokens": float(sum(lengths)),
+        "batch/trained_tokens": float(sum(longest.values())),
+        "batch/prefix_shared_fraction": sum(len(g) == 1 for g in groups_of.values()) / len(groups_of),
+    }
+
+
 def compute_prompt_mini_batch_boundaries(
     uids: Sequence[str],
     mini_batch_size: int,

@@ -10,10 +10,12 @@ micro-batch size give the gradient of the same whole-mini-batch loss.
 from __future__ import annotations
 
 import abc
+import importlib.util
+import logging
 import math
 import os
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,11 +33,11 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from skyrl.train.algorithms import (
     entropy_from_logits,
     get_policy_loss,
-    iter_micro_batches,
     kl_penalty,
     loss_scale_for_reduction,
     masked_mean,
@@ -43,7 +45,8 @@ from skyrl.train.algorithms import (
     value_loss,
 )
 from skyrl.train.schema import CriticConfig, OptimizerConfig, PolicyConfig, RefConfig, TrainerConfig
-from skyrl.train.training_batch import TrainingInputBatch, partition_rows
+from skyrl.train.training_batch import TrainingInputBatch, partition_rows, row_groups
+from skyrl.train.workers.layout import TokenLayout, build_layout, plan_micro_batches, unit_tokens
 
 if TYPE_CHECKING:  # the weight-sync helpers import Ray: a worker loads them only when it syncs
     from skyrl.train.inference.weight_sync import WeightSyncGroup
@@ -51,6 +54,26 @@ if TYPE_CHECKING:  # the weight-sync helpers import Ray: a worker loads them onl
 
 CHECKPOINT_DONE = "COMPLETE"
 Metrics = dict[str, torch.Tensor]
+logger = logging.getLogger(__name__)
+
+
+class TokenModel(torch.nn.Module):
+    """The FSDP root around a Hugging Face model: its backbone over a `TokenLayout`'s tokens, then a
+    head only at the positions whose outputs are needed (`head` maps hidden states [K, H] to outputs).
+
+    The root (not the HF model) is what FSDP wraps, so the head's weights are gathered for the head
+    as for any layer; `model` keeps the HF model's parameter names (checkpoints, exports, weight sync).
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, layout: TokenLayout, head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        hidden = self.model.base_model(
+            input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False
+        ).last_hidden_state
+        return head(hidden.flatten(0, 1).index_select(0, layout.index))
 
 
 def _lr_lambda(cfg: OptimizerConfig, run_steps: int = 0):
@@ -103,7 +126,8 @@ class FSDPWorker:
         torch.set_num_threads(max(1, int(cfg.placement.cpus_per_worker)))
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         self.device = self.device or torch.device("cpu")
-        self.model: torch.nn.Module | None = None
+        self.model: torch.nn.Module | None = None  # the HF model
+        self.root: TokenModel | None = None  # the FSDP root that computes it
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.global_step = 0
@@ -124,57 +148,113 @@ class FSDPWorker:
         )
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
 
-    def _load_model(self) -> torch.nn.Module:
+    def _load_model(self, **kwargs: Any) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, **kwargs)
 
     def init_model(self) -> None:
         """(Re)load the model from `model_path`, shard it, and build a fresh optimizer and schedule."""
         torch.manual_seed(self.cfg.seed)
-        model = self._load_model().to(self.device)
+        settings = self.section.model
+        implementation = settings.attn_implementation
+        if implementation == "flash_attention_2" and (
+            self.device.type != "cuda" or importlib.util.find_spec("flash_attn") is None
+        ):
+            raise ValueError(
+                f"trainer.{self.role}.model.attn_implementation=flash_attention_2 needs a GPU and the flash-attn "
+                f"package (device {self.device.type}, flash_attn "
+                f"{'missing' if importlib.util.find_spec('flash_attn') is None else 'installed'}); use sdpa"
+            )
+        self.packed = implementation == "flash_attention_2"  # varlen kernels: no padding at all
+        model = self._load_model(attn_implementation=implementation).to(self.device)
+        if settings.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        root = TokenModel(model)
         on_gpu = self.device.type == "cuda"
         kwargs = {"mesh": self.mesh}
         if on_gpu and self.cfg.policy.bf16:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if on_gpu and self.section.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
-        for layer in model.model.layers:
+        for layer in model.base_model.layers:
             fully_shard(layer, **kwargs)
-        fully_shard(model, **kwargs)
-        for module in model.modules():
+        fully_shard(root, **kwargs)
+        for module in root.modules():
             if isinstance(module, FSDPModule):
                 # sum, not average, across ranks (gloo has no PREMUL_SUM; the loss carries the scale)
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
-        self.model = model
+        self.model, self.root = model, root
         self.global_step = 0
+        self._warned_long_unit = False
 
     # ---- forward ----
-    def _forward_logits(self, mb: TrainingInputBatch) -> torch.Tensor:
-        """Logits predicting each response token, [n, R, V] (fp32)."""
-        sequences, attention_mask = mb["sequences"], mb["attention_mask"]
-        response_length = mb["response_mask"].shape[1]
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # prompts are left-padded
-        logits = self.model(
-            input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids
-        ).logits
-        logits = logits[:, -response_length - 1 : -1].float() / self.temperature
-        if self.allowed_token_ids:
-            # finite, so entropy's p * logit stays 0 (not nan) on excluded tokens
-            excluded = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
-            excluded[self.allowed_token_ids] = False
-            logits = logits.masked_fill(excluded, -1e9)
-        return logits
+    def _micro_batches(
+        self, data: TrainingInputBatch, micro_batch_size: int
+    ) -> list[tuple[list[int], TrainingInputBatch]]:
+        """This rank's rows per micro-batch (row indices, rows): whole prefix groups, `micro_batch_size`
+        rows or `max_tokens_per_micro_batch` tokens each. Every rank gets as many micro-batches as the
+        rank that needs most (collective: FSDP gathers weights per forward); extra ones may be empty."""
+        units = row_groups(data.get("prefix_group"), len(data))
+        tokens = unit_tokens(data["attention_mask"], data["response_mask"], units)
+        rows = [len(unit) for unit in units]
+        budget = self.cfg.max_tokens_per_micro_batch
+        if budget is not None and max(tokens, default=0) > budget and not self._warned_long_unit:
+            self._warned_long_unit = True
+            logger.warning(
+                "a sequence of %d tokens exceeds trainer.max_tokens_per_micro_batch=%d: it gets a micro-batch "
+                "of its own (logged once)",
+                max(tokens),
+                budget,
+            )
+        plan = plan_micro_batches(tokens, rows, micro_batch_size, budget)
+        count = torch.tensor([len(plan)], device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        if count.item() > len(plan):
+            plan = plan_micro_batches(tokens, rows, micro_batch_size, budget, int(count.item()))
+        selected = [sorted(i for u in part for i in units[u]) for part in plan]
+        return [(indices, data.select_rows(indices)) for indices in selected]
 
-    def _logprobs(self, mb: TrainingInputBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self._forward_logits(mb)
-        targets = mb["sequences"][:, -logits.shape[1] :]
-        logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
-        return logprobs, entropy_from_logits(logits)
+    def _layout(self, mb: TrainingInputBatch) -> TokenLayout:
+        layout = build_layout(
+            mb["sequences"], mb["attention_mask"], mb["response_mask"], mb.get("prefix_group"), self.packed
+        )
+        return layout.to(self.device)
+
+    def _logprobs(
+        self, mb: TrainingInputBatch, with_entropy: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logprobs (and entropy) of every real response token in the rows' [n, R] layout, 0 elsewhere,
+        of the distribution the engines sampled from; the LM head runs only at those tokens, one
+        `logprob_chunk_tokens` chunk at a time (recomputed in backward), so [tokens, vocab] logits
+        never exist whole."""
+        layout = self._layout(mb)
+        head = self.model.get_output_embeddings()
+        excluded = None
+        if self.allowed_token_ids:
+            excluded = torch.ones(head.out_features, dtype=torch.bool, device=self.device)
+            excluded[self.allowed_token_ids] = False
+
+        def chunk(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            logits = head(hidden).float() / self.temperature
+            if excluded is not None:  # finite, so entropy's p * logit stays 0 (not nan) on excluded tokens
+                logits = logits.masked_fill(excluded, -1e9)
+            logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
+            return torch.stack([logprobs, entropy_from_logits(logits) if with_entropy else logprobs], -1)
+
+        def heads(hidden: torch.Tensor) -> torch.Tensor:
+            size = self.cfg.logprob_chunk_tokens
+            parts = zip(hidden.split(size), layout.targets.split(size), strict=True)
+            if torch.is_grad_enabled():
+                return torch.cat([checkpoint(chunk, h, t, use_reentrant=False) for h, t in parts])
+            return torch.cat([chunk(h, t) for h, t in parts])
+
+        out = self.root(layout, heads)
+        return layout.scatter(out[:, 0]), layout.scatter(out[:, 1])
 
     def _output(self, mb: TrainingInputBatch) -> dict[str, torch.Tensor]:
-        logprobs, _ = self._logprobs(mb)
+        logprobs, _ = self._logprobs(mb, with_entropy=False)
         return {"logprobs": logprobs}
 
     @torch.no_grad()
@@ -189,11 +269,12 @@ class FSDPWorker:
         """
         data = self._own_part(TrainingInputBatch.merge(parts), dp_size, balance)
         self.model.eval()
-        outputs = [
-            self._output(mb.to(self.device))
-            for mb in iter_micro_batches(data, self.cfg.micro_forward_batch_size_per_gpu)
-        ]
-        return TrainingInputBatch({k: torch.cat([o[k] for o in outputs]).cpu() for k in outputs[0]})
+        outputs: dict[str, torch.Tensor] = {}
+        for indices, mb in self._micro_batches(data, self.cfg.micro_forward_batch_size_per_gpu):
+            for key, value in self._output(mb.to(self.device)).items():
+                outputs.setdefault(key, value.new_zeros(len(data), value.shape[1], device="cpu"))
+                outputs[key][indices] = value.cpu()
+        return TrainingInputBatch(outputs)
 
     def _own_part(self, data: TrainingInputBatch, dp_size: int | None, balance: bool) -> TrainingInputBatch:
         if dp_size is None:
@@ -423,10 +504,10 @@ class TrainableWorker(FSDPWorker, abc.ABC):
             data["loss_mask"], loss_cfg.loss_reduction, loss_cfg.max_seq_len, counts.cpu()
         )
         data["loss_scale"] = scale.float()
-        micro_batches = list(iter_micro_batches(data, self.cfg.micro_train_batch_size_per_gpu))
+        micro_batches = self._micro_batches(data, self.cfg.micro_train_batch_size_per_gpu)
         totals = MetricTotals(self.device)
-        for i, mb in enumerate(micro_batches):
-            self.model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        for i, (_, mb) in enumerate(micro_batches):
+            self.root.set_requires_gradient_sync(i == len(micro_batches) - 1)
             mb = mb.to(self.device)
             loss, metrics = self._loss(mb, mb["loss_scale"])
             loss.backward()
@@ -489,20 +570,21 @@ class CriticWorker(TrainableWorker):
 
     role = "critic"
 
-    def _load_model(self) -> torch.nn.Module:
-        from transformers import AutoModelForTokenClassification
+    def _load_model(self, **kwargs: Any) -> torch.nn.Module:
+        from transformers import AutoConfig, AutoModelForTokenClassification
 
+        # no dropout on the value head: values are regression targets, and layouts stay comparable
+        config = AutoConfig.from_pretrained(self.model_path, num_labels=1, classifier_dropout=0.0)
         return AutoModelForTokenClassification.from_pretrained(
-            self.model_path, num_labels=1, dtype=torch.float32
+            self.model_path, config=config, dtype=torch.float32, **kwargs
         )
 
     def _values(self, mb: TrainingInputBatch) -> torch.Tensor:
-        """V(s_t) for each response token t: the value head at the position that predicts it."""
-        attention_mask = mb["attention_mask"]
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=mb["sequences"], attention_mask=attention_mask, position_ids=position_ids)
-        response_length = mb["response_mask"].shape[1]
-        return out.logits[:, -response_length - 1 : -1, 0].float()
+        """V(s_t) for each real response token t in the rows' [n, R] layout: the value head at the
+        position that predicts it (only there)."""
+        layout = self._layout(mb)
+        values = self.root(layout, lambda hidden: self.model.score(hidden)[:, 0].float())
+        return layout.scatter(values)
 
     def _output(self, mb: TrainingInputBatch) -> dict[str, torch.Tensor]:
         return {"values": self._values(mb)}

@@ -1,0 +1,168 @@
+"""How a rank's rows are computed: prefix-shared units, token-budget micro-batches, pad-free tokens.
+
+The rows (one per step-wise sequence, `dataset.preprocess`'s layout) define WHAT is
+computed; this module only decides HOW. Rows that share a `prefix_group` are steps of
+one trajectory whose sequences are token-exact prefixes of each other, so one forward
+of the longest gives every step's response logprobs (same tokens before them, same
+positions). Such a group is a unit: it is never split across micro-batches. A
+micro-batch's units are laid out without pad tokens between them (`packed`: one row,
+positions restarting per unit, for attention kernels that take packed sequences) or
+right-padded to its own longest unit only (`trimmed`: causal attention never looks
+at the padding after a sequence). Per-token outputs come back to the rows' [n, R]
+layout with `TokenLayout.scatter`, so losses and reductions see the plain rows.
+
+Pure torch: no Ray, no model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from skyrl.train.training_batch import row_groups
+from skyrl.train.utils.seqlen_balancing import get_seqlen_balanced_partitions
+
+
+def unit_tokens(
+    attention_mask: torch.Tensor, response_mask: torch.Tensor, units: list[list[int]]
+) -> list[int]:
+    """Tokens one forward of each unit computes: its longest row's, or 0 when no row of it has a
+    response token to score (a pad row: nothing to compute)."""
+    lengths = attention_mask.sum(-1).tolist()
+    needed = response_mask.sum(-1).tolist()
+    return [max(lengths[i] for i in unit) if any(needed[i] for i in unit) else 0 for unit in units]
+
+
+def plan_micro_batches(
+    tokens: list[int],
+    rows: list[int],
+    micro_batch_size: int,
+    max_tokens: int | None,
+    count: int | None = None,
+) -> list[list[int]]:
+    """Units (indices into `tokens` / `rows`, their token and row counts) per micro-batch.
+
+    `max_tokens` None: consecutive units up to `micro_batch_size` rows each (a larger unit alone).
+    Otherwise at most `max_tokens` tokens each (a larger unit alone), balanced by tokens over the
+    fewest micro-batches that fit. `count` asks for exactly that many (at least the fewest): every
+    rank must run the same number of forwards, so ranks with fewer units get rebalanced or empty ones.
+    """
+    if max_tokens is None:
+        plan: list[list[int]] = []
+        size = micro_batch_size
+        for u, n in enumerate(rows):
+            if not plan or size + n > micro_batch_size:
+                plan.append([])
+                size = 0
+            plan[-1].append(u)
+            size += n
+    else:
+        plan = _token_plan(tokens, max_tokens, count)
+    if count is not None:
+        assert count >= len(plan), f"asked for {count} micro-batches but {len(plan)} are needed"
+        plan += [[] for _ in range(count - len(plan))]
+    return plan
+
+
+def _token_plan(tokens: list[int], max_tokens: int, count: int | None) -> list[list[int]]:
+    def fits(parts: list[list[int]]) -> bool:
+        return all(len(p) <= 1 or sum(tokens[u] for u in p) <= max_tokens for p in parts)
+
+    if count is not None:
+        parts = get_seqlen_balanced_partitions(tokens, count, equal_size=False)
+        if fits(parts):
+            return parts
+    k = max(1, -(-sum(tokens) // max_tokens))
+    while True:
+        parts = get_seqlen_balanced_partitions(tokens, k, equal_size=False)
+        if fits(parts):
+            return [p for p in parts if p]
+        k += 1
+
+
+@dataclass
+class TokenLayout:
+    """One micro-batch as the model computes it.
+
+    `input_ids` / `position_ids` [B, L]; `index` [K]: flat positions (b * L + t) of the
+    hidden states that predict the K needed tokens (every row's real response tokens),
+    `targets` [K] those tokens, `rows` / `cols` [K] where each sits in the rows' [n, R]
+    layout. Packed layouts have B = 1 and positions restarting at each unit.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    index: torch.Tensor
+    targets: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+    num_rows: int
+    width: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-needed-token `values` [K] into the rows' [n, R] layout, 0 elsewhere (differentiable)."""
+        out = values.new_zeros(self.num_rows, self.width)
+        return out.index_put((self.rows, self.cols), values)
+
+    def to(self, device: torch.device) -> TokenLayout:
+        moved = {k: getattr(self, k).to(device) for k in ("input_ids", "position_ids", "index", "targets")}
+        return TokenLayout(
+            **moved,
+            rows=self.rows.to(device),
+            cols=self.cols.to(device),
+            num_rows=self.num_rows,
+            width=self.width,
+        )
+
+
+def build_layout(
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    prefix_group: torch.Tensor | None,
+    packed: bool,
+) -> TokenLayout:
+    """The `TokenLayout` of a micro-batch of rows in `collate_sequences`' layout (left-padded prompt,
+    right-padded response). Rows of one `prefix_group` must be prefixes of the group's longest row."""
+    sequences, attention_mask, response_mask = sequences.cpu(), attention_mask.cpu(), response_mask.cpu()
+    n, width = response_mask.shape
+    prompt_width = sequences.shape[1] - width
+    units = row_groups(prefix_group, n)
+    needed = unit_tokens(attention_mask, response_mask, units)
+    real = [sequences[i][attention_mask[i].bool()] for i in range(n)]
+    prompt_lengths = attention_mask[:, :prompt_width].sum(-1).tolist()
+    response_lengths = response_mask.sum(-1).tolist()
+    kept = [(unit, length) for unit, length in zip(units, needed, strict=True) if length]
+    lengths = [length for _, length in kept] or [1]
+    batch, length = (1, sum(lengths)) if packed else (len(lengths), max(lengths))
+    input_ids = torch.zeros(batch, length, dtype=torch.long)
+    position_ids = torch.arange(length).repeat(batch, 1)
+    index, targets, rows, cols = [], [], [], []
+    offset = 0
+    for b, (unit, unit_length) in enumerate(kept):
+        longest = max(unit, key=lambda i: len(real[i]))
+        start = offset if packed else b * length
+        input_ids.view(-1)[start : start + unit_length] = real[longest]
+        if packed:
+            position_ids[0, offset : offset + unit_length] = torch.arange(unit_length)
+        for i in unit:
+            p, r = prompt_lengths[i], response_lengths[i]
+            if not r:
+                continue
+            assert p >= 1, "a row with response tokens needs at least one context token"
+            assert torch.equal(real[i], real[longest][: p + r]), "rows of a prefix group must be prefixes"
+            index.append(torch.arange(start + p - 1, start + p + r - 1))
+            targets.append(real[i][p : p + r])
+            rows.append(torch.full((r,), i))
+            cols.append(torch.arange(r))
+        offset += unit_length
+
+    def cat(parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+    return TokenLayout(input_ids, position_ids, cat(index), cat(targets), cat(rows), cat(cols), n, width)
