@@ -5,6 +5,8 @@
    of equal slices plus a torch.cat of pad rows.
 2. Karmarkar-Karp over 100,000 lengths into 8 and 64 parts, against strided
    assignment: max/mean load and time.
+3. Our balancing against plain Karmarkar-Karp (verl's algorithm) on heavy-tailed
+   lengths, 4-64 items per rank: max-load ratio (last line) and time ratio.
 
 Usage: python scripts/bench_data_plane.py [--sequences N] [--lengths N]
 """
@@ -18,7 +20,7 @@ import torch
 
 from skyrl.train.dataset.preprocess import compute_prompt_mini_batch_boundaries
 from skyrl.train.training_batch import TrainingInputBatch, pad_training_input_batch
-from skyrl.train.utils.seqlen_balancing import get_seqlen_balanced_partitions
+from skyrl.train.utils.seqlen_balancing import _karmarkar_karp, get_seqlen_balanced_partitions
 
 DP_SIZE = 8
 MINI_BATCHES = 100
@@ -106,17 +108,40 @@ def bench_balancing(num_lengths: int, gen: torch.Generator) -> None:
             )
 
 
+def bench_refinement(trials: int, gen: torch.Generator) -> None:
+    """Our balancing (KK, then swaps between the heaviest and lighter partitions) against plain KK,
+    the algorithm verl ships, on heavy-tailed (lognormal) lengths with equal counts per rank."""
+    ratios, times = [], [0.0, 0.0]
+    for items_per_rank in (4, 8, 16, 32, 64):
+        for _ in range(trials):
+            lengths = torch.distributions.LogNormal(6.0, 1.0).sample((8 * items_per_rank,)).long().tolist()
+            costs = [float(n) for n in lengths]
+            plain, t_plain = timed(lambda c=costs: _karmarkar_karp(c, 8, True))
+            ours, t_ours = timed(lambda n=lengths: get_seqlen_balanced_partitions(n, 8, equal_size=True))
+            ratios.append(load_ratio(ours, lengths) / load_ratio(plain, lengths))
+            times[0] += t_plain
+            times[1] += t_ours
+        print(
+            f"lognormal lengths, 8 ranks x {items_per_rank} items, {trials} draws: max load ours / plain KK "
+            f"{sum(ratios[-trials:]) / trials:.3f} (worst {max(ratios[-trials:]):.3f})"
+        )
+    print(f"time ours / plain KK {times[1] / times[0]:.2f}")
+    print(f"max load ours / plain KK {sum(ratios) / len(ratios):.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--sequences", type=int, default=1_000_000)
     parser.add_argument("--lengths", type=int, default=100_000)
+    parser.add_argument("--trials", type=int, default=20)
     args = parser.parse_args()
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     bench_boundaries_and_padding(args.sequences, gen)
     bench_balancing(args.lengths, gen)
+    bench_refinement(args.trials, gen)
 
 
 if __name__ == "__main__":

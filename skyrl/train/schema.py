@@ -155,7 +155,7 @@ class TrainerConfig:
     stepwise_prefix_sharing: bool = True
     logprob_chunk_tokens: int = 1024  # tokens per LM-head chunk: [chunk, vocab] logits at a time
     update_epochs_per_batch: int = 1
-    balance_dp: bool = False  # assign sequences to DP ranks by token count (Karmarkar-Karp)
+    balance_dp: bool = False  # assign prefix groups to DP ranks by attention-aware workload (KK + swaps)
     delay_split_by_dp: bool = False
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     ref: RefConfig = field(default_factory=RefConfig)

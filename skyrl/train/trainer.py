@@ -51,6 +51,7 @@ from skyrl.train.inference.weight_sync import WeightSyncGroup
 from skyrl.train.schema import SkyRLConfig
 from skyrl.train.training_batch import TrainingInputBatch
 from skyrl.train.utils.errors import ConfigError
+from skyrl.train.utils.seqlen_balancing import attention_cost_weight
 from skyrl.train.utils.tracking import METRICS_FILE, Tracker
 from skyrl.train.workers.actor_group import ActorGroup, create_placement_group, latest_checkpoint
 from skyrl.train.workers.dispatch import MeshDispatch, StagedMiniBatch
@@ -93,9 +94,11 @@ class Trainer:
         random.seed(t.seed)
         np.random.seed(t.seed)
         torch.manual_seed(t.seed)
-        from transformers import AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        # balance_dp balances by attention-aware workload, with the policy model's width
+        self.cost_weight = attention_cost_weight(AutoConfig.from_pretrained(model_path).hidden_size)
         self.allowed_token_ids = allowed_token_ids(self.tokenizer, cfg.environment)
         train_set, self.eval_set = datasets
         self.loader = PromptLoader(train_set, t.train_batch_size, seed=t.seed, shuffle=cfg.data.shuffle)
@@ -316,7 +319,7 @@ class Trainer:
         if key not in self._staged:
             t = self.cfg.trainer
             self._staged[key] = group.stage(
-                batch.select(FORWARD_FIELDS), bounds, t.balance_dp, t.delay_split_by_dp
+                batch.select(FORWARD_FIELDS), bounds, t.balance_dp, t.delay_split_by_dp, self.cost_weight
             )
             self._dispatch_bytes += sum(mini.nbytes for mini in self._staged[key])
         return self._staged[key]

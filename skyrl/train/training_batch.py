@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 
 from skyrl.train.utils.data import split_train_data_by_dp
+from skyrl.train.utils.seqlen_balancing import attention_aware_cost
 
 PAD_UID_PREFIX = "__pad__"
 # Row weights that must be zero on pad rows so they contribute nothing to any loss.
@@ -308,13 +309,16 @@ def row_groups(prefix_group: torch.Tensor | None, num_rows: int) -> list[list[in
     return list(groups.values())
 
 
-def partition_rows(batch: TrainingInputBatch, dp_size: int, balance: bool) -> list[list[int]]:
+def partition_rows(
+    batch: TrainingInputBatch, dp_size: int, balance: bool, cost_weight: float | None = None
+) -> list[list[int]]:
     """Row indices of each DP rank, for a batch whose length is a multiple of `dp_size`.
 
     The unit of assignment is a prefix group (`prefix_group` field; each row alone without
     it): its rows are computed as one sequence, so they go to one rank. Units are assigned by
-    `split_train_data_by_dp`'s rule over their longest row's attended tokens (strided when
-    there are fewer units than ranks, leaving some ranks without rows). The driver-side split
+    `split_train_data_by_dp`'s rule over their longest row's attended tokens, balanced by
+    `attention_aware_cost(cost_weight)` when given (strided when there are fewer units than
+    ranks, leaving some ranks without rows). The driver-side split
     and the delayed split (each worker) both call this, and it is deterministic, so every rank
     gets the same rows either way.
     """
@@ -326,7 +330,9 @@ def partition_rows(batch: TrainingInputBatch, dp_size: int, balance: bool) -> li
     longest = [max(unit, key=lambda i: int(attention_mask[i].sum())) for unit in units]
     tokens = [sequences[i][attention_mask[i].bool()] for i in longest]
     if len(units) >= dp_size:
-        parts = [part["partition"] for part in split_train_data_by_dp({"tokens": tokens}, dp_size, balance)]
+        cost = attention_aware_cost(cost_weight) if cost_weight else None
+        split = split_train_data_by_dp({"tokens": tokens}, dp_size, balance, cost)
+        parts = [part["partition"] for part in split]
     else:
         parts = [list(range(r, len(units), dp_size)) for r in range(dp_size)]
     return [sorted(i for u in part for i in units[u]) for part in parts]

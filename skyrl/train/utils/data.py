@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 from skyrl.train.utils.seqlen_balancing import get_seqlen_balanced_partitions
@@ -64,14 +65,17 @@ def _validate(data: dict[str, Any]) -> int:
     return n
 
 
-def split_train_data_by_dp(data: dict[str, Any], dp_size: int, balance: bool = False) -> list[dict[str, Any]]:
+def split_train_data_by_dp(
+    data: dict[str, Any], dp_size: int, balance: bool = False, cost: Callable[[float], float] | None = None
+) -> list[dict[str, Any]]:
     """Split a rollout dict into `dp_size` parts, one per data-parallel rank.
 
     Per-sample keys (`PER_SAMPLE_KEYS`) are sliced by each rank's partition,
     shared keys (`SHARED_KEYS`) are copied whole. Each part also gets
     `partition` (its sample indices) and `total_lengths` (token counts of ALL
     samples). `balance=True` assigns samples by token count with
-    `get_seqlen_balanced_partitions(..., equal_size=True)`; otherwise rank i
+    `get_seqlen_balanced_partitions(..., equal_size=True)` (workload `cost(length)` when given,
+    e.g. `attention_aware_cost`); otherwise rank i
     takes `range(i, n, dp_size)`. Deterministic, so every rank computes the same
     split; the trainer's DP split (driver-side or delayed) uses these partitions
     too. Inputs are validated up front (`ValueError` naming key and index) and
@@ -86,7 +90,7 @@ def split_train_data_by_dp(data: dict[str, Any], dp_size: int, balance: bool = F
         )
     total_lengths = [len(tokens) for tokens in data["tokens"]]
     if balance:
-        partitions = get_seqlen_balanced_partitions(total_lengths, dp_size, equal_size=True)
+        partitions = get_seqlen_balanced_partitions(total_lengths, dp_size, equal_size=True, cost=cost)
     else:
         partitions = [list(range(i, n, dp_size)) for i in range(dp_size)]
     parts = []

@@ -9,13 +9,22 @@ of one with the lightest of the other.
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import math
 from collections.abc import Callable, Sequence
 
 
 def attention_aware_cost(linear_weight: float) -> Callable[[float], float]:
     """Workload `linear_weight * L + L**2`: MLP cost grows with L, attention with L^2."""
     return lambda length: linear_weight * length + length * length
+
+
+def attention_cost_weight(hidden_size: int) -> float:
+    """`attention_aware_cost`'s linear weight for a transformer of width `hidden_size`: per token and
+    layer, projections and MLP take about 24 h^2 FLOPs and attention 4 h L, so the cost of a
+    sequence of L tokens is proportional to 6 h L + L^2."""
+    return 6.0 * hidden_size
 
 
 # A subset is a list [load, count, -smallest_index, items]: plain lists sort by load, then
@@ -69,6 +78,53 @@ def _max_load(partitions: list[list[int]], costs: Sequence[float]) -> float:
     return max(sum(costs[i] for i in part) for part in partitions)
 
 
+def _best_exchange(heavy: list[int], light: list[int], costs: Sequence[float], gap: float, moves: bool):
+    """The exchange between the heaviest partition and a lighter one (`gap` apart) that brings their
+    loads closest together: swap an item of each (or, with `moves`, move one from heavy to light),
+    shifting a load d with 0 < d < gap. Returns (d, item of heavy, item of light or -1 for a move),
+    or None when no exchange does."""
+    by_cost = sorted(light, key=lambda i: costs[i])
+    light_costs = [costs[i] for i in by_cost]
+    best = None
+    for x in heavy:
+        if moves and 0 < costs[x] < gap:
+            best = min(best or (math.inf,), (abs(gap / 2 - costs[x]), costs[x], x, -1))
+        # the light item whose swap shifts closest to gap / 2: cost near costs[x] - gap / 2
+        j = bisect.bisect_left(light_costs, costs[x] - gap / 2)
+        for k in (j - 1, j):
+            if 0 <= k < len(by_cost):
+                d = costs[x] - light_costs[k]
+                if 0 < d < gap:
+                    best = min(best or (math.inf,), (abs(gap / 2 - d), d, x, by_cost[k]))
+    return None if best is None else best[1:]
+
+
+def _refine(partitions: list[list[int]], costs: Sequence[float], equal_size: bool) -> list[list[int]]:
+    """Lower the maximum load after KK: while some exchange between the heaviest partition and a
+    lighter one brings the two closer (pairwise swaps, and single moves unless `equal_size`, which
+    keeps the counts), apply the best one."""
+    parts = [list(p) for p in partitions]
+    loads = [sum(costs[i] for i in p) for p in parts]
+    for _ in range(64 * len(parts)):
+        h = max(range(len(parts)), key=loads.__getitem__)
+        for light in sorted(range(len(parts)), key=loads.__getitem__):
+            gap = loads[h] - loads[light]
+            found = _best_exchange(parts[h], parts[light], costs, gap, not equal_size) if gap > 0 else None
+            if found:
+                break
+        if not found:
+            break
+        d, x, y = found
+        parts[h].remove(x)
+        parts[light].append(x)
+        if y >= 0:
+            parts[light].remove(y)
+            parts[h].append(y)
+        loads[h] -= d
+        loads[light] += d
+    return parts
+
+
 def get_seqlen_balanced_partitions(
     seqlens: Sequence[int],
     k: int,
@@ -81,7 +137,8 @@ def get_seqlen_balanced_partitions(
     `attention_aware_cost`). Deterministic; every index appears exactly once;
     no partition is empty when `len(seqlens) >= k`; with `equal_size` the
     partition sizes differ by at most 1 (exactly equal when `k` divides the
-    count). The result is never worse (max load) than strided assignment
+    count). KK's result is refined by swaps (and moves, without `equal_size`) between the heaviest
+    partition and lighter ones while that lowers their spread. The result is never worse (max load) than strided assignment
     `range(i, n, k)`, which is returned when it happens to be better. Each
     partition's indices are sorted; partitions are ordered by smallest index.
     """
@@ -90,7 +147,7 @@ def get_seqlen_balanced_partitions(
     if any(length < 0 for length in seqlens):
         raise ValueError("sequence lengths must be non-negative")
     costs = [float(cost(length)) if cost else float(length) for length in seqlens]
-    partitions = _karmarkar_karp(costs, k, equal_size)
+    partitions = _refine(_karmarkar_karp(costs, k, equal_size), costs, equal_size)
     strided = [list(range(i, len(costs), k)) for i in range(k)]
     if _max_load(strided, costs) < _max_load(partitions, costs):
         partitions = strided

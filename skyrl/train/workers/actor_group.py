@@ -124,12 +124,19 @@ class ActorGroup:
         mini_batch_boundaries: Sequence[tuple[int, int]],
         balance: bool = False,
         delay_split: bool = False,
+        cost_weight: float | None = None,
     ) -> list[StagedMiniBatch]:
         """`data`'s mini-batches in the object store, split for this group's ranks (`MeshDispatch`)."""
-        return MeshDispatch.stage_chunks(self.num_workers, data, mini_batch_boundaries, balance, delay_split)
+        return MeshDispatch.stage_chunks(
+            self.num_workers, data, mini_batch_boundaries, balance, delay_split, cost_weight
+        )
 
     def _run_staged(self, method: str, mini: StagedMiniBatch) -> list[Any]:
-        extra = {"dp_size": self.num_workers, "balance": mini.balance} if mini.delayed else {}
+        extra = (
+            {"dp_size": self.num_workers, "balance": mini.balance, "cost_weight": mini.cost_weight}
+            if mini.delayed
+            else {}
+        )
         return self._get(
             [
                 getattr(actor, method).remote(*mini.refs(rank), **extra)

@@ -36,6 +36,7 @@ class StagedMiniBatch:
     parts: list[list[ray.ObjectRef]]
     delayed: bool
     balance: bool
+    cost_weight: float | None
     nbytes: int
 
     def refs(self, dp_rank: int) -> list[ray.ObjectRef]:
@@ -72,21 +73,25 @@ class MeshDispatch:
         mini_batch_boundaries: Sequence[tuple[int, int]],
         balance: bool = False,
         delay_split: bool = False,
+        cost_weight: float | None = None,
     ) -> list[StagedMiniBatch]:
         """Per boundary: slice, pad to a multiple of `dp_size`, split, `ray.put` each rank's rows.
 
         `data` needs `sequences` and `attention_mask` (the balanced split counts
         tokens). With `delay_split` the whole padded mini-batch is put once and each
-        rank takes its own part (`partition_rows` with the same `dp_size` and `balance`).
+        rank takes its own part (`partition_rows` with the same `dp_size`, `balance` and
+        `cost_weight`, the linear weight of the attention-aware cost balancing uses).
         """
         staged = []
         data = _fields_only(data)
         for start, end in mini_batch_boundaries:
             mini = data.slice(start, end)
             padded = pad_training_input_batch(mini, (-len(mini)) % dp_size)
-            rows = partition_rows(padded, dp_size, balance)
+            rows = partition_rows(padded, dp_size, balance, cost_weight)
             refs, nbytes = _put_part(padded, rows, delay_split)
-            staged.append(StagedMiniBatch(start, end, rows, [refs], delay_split, balance, nbytes))
+            staged.append(
+                StagedMiniBatch(start, end, rows, [refs], delay_split, balance, cost_weight, nbytes)
+            )
         return staged
 
     @staticmethod
@@ -107,6 +112,7 @@ class MeshDispatch:
                     [*mini.parts, refs],
                     mini.delayed,
                     mini.balance,
+                    mini.cost_weight,
                     mini.nbytes + nbytes,
                 )
             )

@@ -46,6 +46,7 @@ from skyrl.train.algorithms import (
 )
 from skyrl.train.schema import CriticConfig, OptimizerConfig, PolicyConfig, RefConfig, TrainerConfig
 from skyrl.train.training_batch import TrainingInputBatch, partition_rows, row_groups
+from skyrl.train.utils.seqlen_balancing import attention_aware_cost, attention_cost_weight
 from skyrl.train.workers.layout import TokenLayout, build_layout, plan_micro_batches, unit_tokens
 
 if TYPE_CHECKING:  # the weight-sync helpers import Ray: a worker loads them only when it syncs
@@ -194,7 +195,7 @@ class FSDPWorker:
         self, data: TrainingInputBatch, micro_batch_size: int
     ) -> list[tuple[list[int], TrainingInputBatch]]:
         """This rank's rows per micro-batch (row indices, rows): whole prefix groups, `micro_batch_size`
-        rows or `max_tokens_per_micro_batch` tokens each. Every rank gets as many micro-batches as the
+        rows or `max_tokens_per_micro_batch` tokens each (balanced by attention-aware workload). Every rank gets as many micro-batches as the
         rank that needs most (collective: FSDP gathers weights per forward); extra ones may be empty."""
         units = row_groups(data.get("prefix_group"), len(data))
         tokens = unit_tokens(data["attention_mask"], data["response_mask"], units)
@@ -208,11 +209,12 @@ class FSDPWorker:
                 max(tokens),
                 budget,
             )
-        plan = plan_micro_batches(tokens, rows, micro_batch_size, budget)
+        cost = attention_aware_cost(attention_cost_weight(self.model.config.hidden_size))
+        plan = plan_micro_batches(tokens, rows, micro_batch_size, budget, cost=cost)
         count = torch.tensor([len(plan)], device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         if count.item() > len(plan):
-            plan = plan_micro_batches(tokens, rows, micro_batch_size, budget, int(count.item()))
+            plan = plan_micro_batches(tokens, rows, micro_batch_size, budget, int(count.item()), cost)
         selected = [sorted(i for u in part for i in units[u]) for part in plan]
         return [(indices, data.select_rows(indices)) for indices in selected]
 
@@ -259,7 +261,11 @@ class FSDPWorker:
 
     @torch.no_grad()
     def forward(
-        self, *parts: TrainingInputBatch, dp_size: int | None = None, balance: bool = False
+        self,
+        *parts: TrainingInputBatch,
+        dp_size: int | None = None,
+        balance: bool = False,
+        cost_weight: float | None = None,
     ) -> TrainingInputBatch:
         """Per-row outputs (`logprobs`, or `values` for the critic) of this rank's rows, in their order.
 
@@ -267,7 +273,7 @@ class FSDPWorker:
         `dispatch`). With `dp_size` set, they cover a whole mini-batch and this rank
         takes its part (the delayed split); otherwise they are already this rank's part.
         """
-        data = self._own_part(TrainingInputBatch.merge(parts), dp_size, balance)
+        data = self._own_part(TrainingInputBatch.merge(parts), dp_size, balance, cost_weight)
         self.model.eval()
         outputs: dict[str, torch.Tensor] = {}
         for indices, mb in self._micro_batches(data, self.cfg.micro_forward_batch_size_per_gpu):
@@ -276,10 +282,12 @@ class FSDPWorker:
                 outputs[key][indices] = value.cpu()
         return TrainingInputBatch(outputs)
 
-    def _own_part(self, data: TrainingInputBatch, dp_size: int | None, balance: bool) -> TrainingInputBatch:
+    def _own_part(
+        self, data: TrainingInputBatch, dp_size: int | None, balance: bool, cost_weight: float | None = None
+    ) -> TrainingInputBatch:
         if dp_size is None:
             return data
-        return data.select_rows(partition_rows(data, dp_size, balance)[self.rank])
+        return data.select_rows(partition_rows(data, dp_size, balance, cost_weight)[self.rank])
 
     # ---- inspection, export ----
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -483,7 +491,11 @@ class TrainableWorker(FSDPWorker, abc.ABC):
         """
 
     def train_mini_batch(
-        self, *parts: TrainingInputBatch, dp_size: int | None = None, balance: bool = False
+        self,
+        *parts: TrainingInputBatch,
+        dp_size: int | None = None,
+        balance: bool = False,
+        cost_weight: float | None = None,
     ) -> dict[str, float]:
         """One optimizer step on this rank's share of a mini-batch; returns mini-batch metrics.
 
@@ -494,7 +506,7 @@ class TrainableWorker(FSDPWorker, abc.ABC):
         by loss tokens, extremes reduced with max / min, so none depends on the DP or
         micro-batch size. Gradients are kept until the next call (see `gradient_vector`).
         """
-        data = self._own_part(TrainingInputBatch.merge(parts), dp_size, balance)
+        data = self._own_part(TrainingInputBatch.merge(parts), dp_size, balance, cost_weight)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         counts = reduction_counts(data["loss_mask"]).to(self.device)

@@ -16,6 +16,7 @@ Pure torch: no Ray, no model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,12 +41,14 @@ def plan_micro_batches(
     micro_batch_size: int,
     max_tokens: int | None,
     count: int | None = None,
+    cost: Callable[[float], float] | None = None,
 ) -> list[list[int]]:
     """Units (indices into `tokens` / `rows`, their token and row counts) per micro-batch.
 
     `max_tokens` None: consecutive units up to `micro_batch_size` rows each (a larger unit alone).
-    Otherwise at most `max_tokens` tokens each (a larger unit alone), balanced by tokens over the
-    fewest micro-batches that fit. `count` asks for exactly that many (at least the fewest): every
+    Otherwise at most `max_tokens` tokens each (a larger unit alone), balanced by workload
+    (`cost(tokens)`, e.g. `attention_aware_cost`; tokens when None) over the fewest micro-batches
+    that fit. `count` asks for exactly that many (at least the fewest): every
     rank must run the same number of forwards, so ranks with fewer units get rebalanced or empty ones.
     """
     if max_tokens is None:
@@ -58,24 +61,26 @@ def plan_micro_batches(
             plan[-1].append(u)
             size += n
     else:
-        plan = _token_plan(tokens, max_tokens, count)
+        plan = _token_plan(tokens, max_tokens, count, cost)
     if count is not None:
         assert count >= len(plan), f"asked for {count} micro-batches but {len(plan)} are needed"
         plan += [[] for _ in range(count - len(plan))]
     return plan
 
 
-def _token_plan(tokens: list[int], max_tokens: int, count: int | None) -> list[list[int]]:
+def _token_plan(
+    tokens: list[int], max_tokens: int, count: int | None, cost: Callable[[float], float] | None
+) -> list[list[int]]:
     def fits(parts: list[list[int]]) -> bool:
         return all(len(p) <= 1 or sum(tokens[u] for u in p) <= max_tokens for p in parts)
 
     if count is not None:
-        parts = get_seqlen_balanced_partitions(tokens, count, equal_size=False)
+        parts = get_seqlen_balanced_partitions(tokens, count, equal_size=False, cost=cost)
         if fits(parts):
             return parts
     k = max(1, -(-sum(tokens) // max_tokens))
     while True:
-        parts = get_seqlen_balanced_partitions(tokens, k, equal_size=False)
+        parts = get_seqlen_balanced_partitions(tokens, k, equal_size=False, cost=cost)
         if fits(parts):
             return [p for p in parts if p]
         k += 1
