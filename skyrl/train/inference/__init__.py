@@ -1,29 +1,34 @@
-"""Inference engines (vLLM, Hugging Face) as Ray actors, the routing client, weight sync and an OpenAI-compatible endpoint."""
+"""Inference engines (vLLM, Hugging Face) as Ray actors, the routing client, weight sync and an OpenAI-compatible endpoint.
 
-from skyrl.train.inference.client import (
-    EngineDeadError,
-    InferenceEngineClient,
-    create_engine,
-    resolve_engine_config,
-)
-from skyrl.train.inference.config import validate_engine_config, validate_server_config
-from skyrl.train.inference.engine import EngineHealth, GenerationOutput, InferenceEngine, SamplingParams
-from skyrl.train.inference.weights import WeightUpdateError, validate_weight_update
+Exports load on first use, so the modules that need no Ray (`shared_weights`, `weights`) import
+on a machine without it.
+"""
+
+import importlib
+from typing import Any
+
 from skyrl.train.schema import InferenceEngineConfig, OpenAIServerConfig
 
-__all__ = [
-    "EngineDeadError",
-    "EngineHealth",
-    "GenerationOutput",
-    "InferenceEngine",
-    "InferenceEngineClient",
-    "InferenceEngineConfig",
-    "OpenAIServerConfig",
-    "SamplingParams",
-    "WeightUpdateError",
-    "create_engine",
-    "resolve_engine_config",
-    "validate_engine_config",
-    "validate_server_config",
-    "validate_weight_update",
-]
+_EXPORTS = {
+    "EngineDeadError": "client",
+    "InferenceEngineClient": "client",
+    "create_engine": "client",
+    "resolve_engine_config": "client",
+    "validate_engine_config": "config",
+    "validate_server_config": "config",
+    "EngineHealth": "engine",
+    "GenerationOutput": "engine",
+    "InferenceEngine": "engine",
+    "SamplingParams": "engine",
+    "WeightUpdateError": "weights",
+    "validate_weight_update": "weights",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+
+
+__all__ = ["InferenceEngineConfig", "OpenAIServerConfig", *_EXPORTS]

@@ -17,7 +17,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import ray
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
@@ -162,6 +161,8 @@ def send_shared(
 ) -> None:
     """Hand `groups` one at a time to `engine` (a Ray actor handle to an `InferenceEngine`) through one
     shared buffer of `nbytes` on `device`, waiting for each load; the last group carries `version`."""
+    import ray  # here only: mapping and sharing buffers needs no Ray
+
     buffer = SharedBuffer(nbytes, device)
     try:
         pending = None
