@@ -118,6 +118,12 @@ BAD_CONFIGS = [
         r"weight_sync=ipc with trainer.placement.colocate_all=false.*use placement=colocated",
     ),
     (["trainer.total_steps=-1"], r"trainer.total_steps=-1 must be >= 0 \(0 with trainer.eval_before_train"),
+    (["trainer.max_tokens_per_micro_batch=0"], r"trainer.max_tokens_per_micro_batch=0 must be positive"),
+    (["trainer.logprob_chunk_tokens=0"], r"trainer.logprob_chunk_tokens=0 must be positive"),
+    (
+        ["trainer.critic.model.attn_implementation=flash"],
+        r"trainer.critic.model.attn_implementation='flash' is not one of \['sdpa', 'eager', 'flash_attention_2'\]",
+    ),
     (
         ["environment.config.guess_number.allowed_tokens=[]"],
         r"environment.config.guess_number.allowed_tokens=\[\] must be a non-empty list",
