@@ -168,6 +168,22 @@ def test_eval_only_run_logs_greedy_and_sampled_pass_at_k(ray_cluster, tiny_model
     assert {"eval/greedy/pass@1", "eval/sampled/pass@4", "eval/greedy/reward_mean"} <= set(record)
 
 
+def test_periodic_eval_is_logged_and_announced_on_the_console(ray_cluster, tiny_model_path, tmp_path, capsys):
+    overrides = [
+        *SMALL,
+        "trainer.total_steps=1",
+        "trainer.eval_before_train=true",
+        "trainer.eval_interval=1",
+        "data.num_generated_eval_prompts=8",
+    ]
+    run(overrides, tmp_path, tiny_model_path)
+    before, after = read_metrics(tmp_path)
+    assert (before["step"], after["step"]) == (0, 1) and "eval/greedy/pass@1" in after
+    out = capsys.readouterr().out
+    assert "eval before training: eval/greedy/reward_mean" in out
+    assert "eval at step 1: eval/greedy/reward_mean" in out
+
+
 def readme_command(readme: Path) -> list[str]:
     """The arguments of the `python -m skyrl.train` command in a README's bash block."""
     block = readme.read_text().split("```bash\n", 1)[1].split("```", 1)[0]

@@ -195,8 +195,9 @@ class FSDPWorker:
         self, data: TrainingInputBatch, micro_batch_size: int
     ) -> list[tuple[list[int], TrainingInputBatch]]:
         """This rank's rows per micro-batch (row indices, rows): whole prefix groups, `micro_batch_size`
-        rows or `max_tokens_per_micro_batch` tokens each (balanced by attention-aware workload). Every rank gets as many micro-batches as the
-        rank that needs most (collective: FSDP gathers weights per forward); extra ones may be empty."""
+        rows or `max_tokens_per_micro_batch` tokens each (balanced by attention-aware workload). Every
+        rank gets as many micro-batches as the rank that needs most (collective: FSDP gathers weights
+        per forward); extra ones may be empty."""
         units = row_groups(data.get("prefix_group"), len(data))
         tokens = unit_tokens(data["attention_mask"], data["response_mask"], units)
         rows = [len(unit) for unit in units]
