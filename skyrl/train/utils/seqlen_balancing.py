@@ -105,8 +105,11 @@ def _refine(partitions: list[list[int]], costs: Sequence[float], equal_size: boo
     keeps the counts), apply the best one."""
     parts = [list(p) for p in partitions]
     loads = [sum(costs[i] for i in p) for p in parts]
+    floor = max(sum(loads) / len(parts), max(costs, default=0.0))  # no partition can weigh less
     for _ in range(64 * len(parts)):
         h = max(range(len(parts)), key=loads.__getitem__)
+        if loads[h] <= floor * (1 + 1e-9):
+            break
         for light in sorted(range(len(parts)), key=loads.__getitem__):
             gap = loads[h] - loads[light]
             found = _best_exchange(parts[h], parts[light], costs, gap, not equal_size) if gap > 0 else None
