@@ -165,7 +165,7 @@ def validate_config(cfg: SkyRLConfig) -> None:
     """Raise `ConfigError` for the first rule `cfg` breaks; every message names key, value and a fix."""
     from skyrl.envs import resolve as resolve_env
     from skyrl.train.algorithms import REDUCTIONS, get_advantage_estimator, get_policy_loss
-    from skyrl.train.algorithms.losses import KL_ESTIMATORS
+    from skyrl.train.algorithms.losses import KL_ESTIMATORS, OFF_POLICY_CORRECTIONS
     from skyrl.train.inference.config import validate_engine_config
     from skyrl.train.utils.tracking import BACKENDS
 
@@ -229,6 +229,16 @@ def validate_config(cfg: SkyRLConfig) -> None:
         a.loss_reduction != "seq_mean_token_sum_norm" or (a.max_seq_len or 0) > 0,
         "trainer.algorithm.loss_reduction=seq_mean_token_sum_norm needs trainer.algorithm.max_seq_len "
         f"(got {a.max_seq_len}), e.g. trainer.algorithm.max_seq_len={g.max_input_length}.",
+    )
+    _require(
+        a.off_policy_correction in OFF_POLICY_CORRECTIONS,
+        f"trainer.algorithm.off_policy_correction={a.off_policy_correction!r} is not one of "
+        f"{list(OFF_POLICY_CORRECTIONS)}.",
+    )
+    _require(
+        a.tis_cap > 0 and 0 <= a.mis_low < 1 < a.mis_high,
+        f"trainer.algorithm.tis_cap={a.tis_cap}, mis_low={a.mis_low}, mis_high={a.mis_high}: need tis_cap > 0 "
+        "and mis_low < 1 < mis_high, e.g. tis_cap=2, mis_low=0.5, mis_high=2.",
     )
     _require(
         a.kl_estimator in KL_ESTIMATORS,

@@ -132,6 +132,11 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     entropy_coeff: float = 0.0
+    # engine vs trainer logprobs: none | tis | mis | seq_tis | seq_mis (see algorithms.off_policy_correction)
+    off_policy_correction: str = "none"
+    tis_cap: float = 2.0
+    mis_low: float = 0.5
+    mis_high: float = 2.0
     dynamic_sampling: str | None = None  # filter: drop prompt groups whose rewards are all equal, draw more
     max_sample_batches: int = 4  # draws per step with dynamic sampling
     zero_variance_filter: bool = False  # train only on prompt groups with reward variance

@@ -35,6 +35,7 @@ from skyrl.train.algorithms import (
     get_advantage_estimator,
     kl_penalty,
     masked_mean,
+    off_policy_correction,
 )
 from skyrl.train.dataset.preprocess import (
     collate_sequences,
@@ -388,6 +389,17 @@ class Trainer:
         # engine vs trainer logprobs of the same tokens: large means stale engine weights or a mismatch
         logprob_gap = (batch["rollout_logprobs"] - batch["old_logprobs"]).abs()
         metrics["policy/rollout_logprob_gap"] = float(masked_mean(logprob_gap, batch["loss_mask"]))
+        if a.off_policy_correction != "none":
+            batch["is_weights"], batch["loss_mask"], is_metrics = off_policy_correction(
+                batch["old_logprobs"],
+                batch["rollout_logprobs"],
+                batch["loss_mask"],
+                a.off_policy_correction,
+                a.tis_cap,
+                a.mis_low,
+                a.mis_high,
+            )
+            metrics |= {f"policy/{k}": float(v) for k, v in is_metrics.items()}
         metrics["batch/pad_free_tokens"] = float(batch["loss_mask"].sum())
         return metrics
 
@@ -398,6 +410,8 @@ class Trainer:
         policy_fields = ["loss_mask", "old_logprobs", "advantages"]
         if t.algorithm.use_kl_loss:
             policy_fields.append("ref_logprobs")
+        if "is_weights" in batch:
+            policy_fields.append("is_weights")
         policy = self._stage_fields(self.policy, batch, t.policy_mini_batch_size, policy_fields)
         critic = None
         if self.critic is not None:

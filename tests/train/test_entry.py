@@ -119,6 +119,11 @@ BAD_CONFIGS = [
     ),
     (["trainer.total_steps=-1"], r"trainer.total_steps=-1 must be >= 0 \(0 with trainer.eval_before_train"),
     (["trainer.max_tokens_per_micro_batch=0"], r"trainer.max_tokens_per_micro_batch=0 must be positive"),
+    (
+        ["trainer.algorithm.off_policy_correction=icepop"],
+        r"off_policy_correction='icepop' is not one of \['none', 'tis', 'mis', 'seq_tis', 'seq_mis'\]",
+    ),
+    (["trainer.algorithm.mis_high=0.9"], r"need tis_cap > 0 and mis_low < 1 < mis_high"),
     (["trainer.logprob_chunk_tokens=0"], r"trainer.logprob_chunk_tokens=0 must be positive"),
     (
         ["trainer.critic.model.attn_implementation=flash"],

@@ -387,3 +387,16 @@ def test_console_warns_of_env_failures_with_their_count_and_first_error():
         "first: a/1: ValueError: bad 1"
     )
     assert "trained with reward 0" in env_failure_warning(3, failed, "zero_reward")
+
+
+def test_off_policy_correction_runs_in_the_loop_and_logs_its_weights(ray_cluster, tiny_model_path, tmp_path):
+    overrides = [
+        *SMALL,
+        "trainer.total_steps=1",
+        "trainer.algorithm.off_policy_correction=tis",
+        "trainer.algorithm.tis_cap=0.5",
+    ]
+    (m,) = run(overrides, tmp_path, tiny_model_path)
+    # on CPU the engine and the trainer agree (rho = 1), so every weight is the cap
+    assert m["policy/is_weight_mean"] == pytest.approx(0.5) and m["policy/is_masked_fraction"] == 0
+    assert m["policy/grad_norm"] > 0

@@ -197,6 +197,48 @@ def value_loss(
     return 0.5 * loss * loss_mask, {"vf_clip_frac": masked_mean(clipped.to(loss.dtype), loss_mask).detach()}
 
 
+OFF_POLICY_CORRECTIONS = ("none", "tis", "mis", "seq_tis", "seq_mis")
+
+
+def off_policy_correction(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    mode: str,
+    tis_cap: float = 2.0,
+    mis_low: float = 0.5,
+    mis_high: float = 2.0,
+) -> tuple[torch.Tensor, torch.Tensor, Metrics]:
+    """Importance weights for tokens sampled by the engines (`rollout_log_probs`) but trained as the
+    trainer's policy (`old_log_probs`): returns (weights, loss_mask, metrics), all [N, R] but metrics.
+
+    The ratio is rho_t = pi_old(y_t) / pi_rollout(y_t), per token, or for the `seq_*` modes the
+    product over the row's loss tokens. `tis` (truncated IS): weight min(rho, tis_cap). `mis`
+    (masked IS, icepop-style): tokens (`seq_mis`: whole rows) with rho outside [mis_low, mis_high]
+    leave the loss mask, weight 1. `none`: weight 1, mask unchanged. Metrics: `is_weight_mean` over
+    the kept loss tokens, `is_masked_fraction` of the loss tokens. Nothing here has a gradient.
+    """
+    if mode not in OFF_POLICY_CORRECTIONS:
+        raise ValueError(
+            f"unknown off-policy correction {mode!r}; choose one of {list(OFF_POLICY_CORRECTIONS)}"
+        )
+    on = loss_mask > 0
+    log_rho = torch.where(on, old_log_probs - rollout_log_probs, 0.0).detach()
+    if mode.startswith("seq_"):
+        log_rho = log_rho.sum(-1, keepdim=True).expand_as(log_rho)
+    rho = log_rho.clamp(max=50.0).exp()
+    weights, mask = torch.ones_like(rho), loss_mask
+    if mode.endswith("tis"):
+        weights = rho.clamp(max=tis_cap)
+    elif mode.endswith("mis"):
+        mask = loss_mask * ((rho >= mis_low) & (rho <= mis_high)).to(loss_mask.dtype)
+    metrics = {
+        "is_weight_mean": masked_mean(weights, mask),
+        "is_masked_fraction": (loss_mask.sum() - mask.sum()) / loss_mask.sum().clamp(min=1),
+    }
+    return weights * (mask > 0), mask, metrics
+
+
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 

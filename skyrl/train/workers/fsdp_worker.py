@@ -561,6 +561,8 @@ class PolicyWorker(TrainableWorker):
             eps_clip_high=cfg.eps_clip_high,
             clip_ratio_c=cfg.clip_ratio_c,
         )
+        if "is_weights" in mb:  # off-policy correction of the policy-gradient term (trainer-computed)
+            per_token = per_token * mb["is_weights"]
         metrics["entropy"] = masked_mean(entropy, mb["loss_mask"]).detach()
         if cfg.use_kl_loss:
             kl = kl_penalty(logprobs, mb["ref_logprobs"], cfg.kl_estimator) * mb["loss_mask"]

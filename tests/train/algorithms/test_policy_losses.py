@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from skyrl.train.algorithms import get_policy_loss, value_loss
+from skyrl.train.algorithms import get_policy_loss, off_policy_correction, value_loss
 
 F64 = torch.float64
 
@@ -110,3 +110,35 @@ def test_value_loss_takes_the_larger_of_clipped_and_unclipped_error():
     assert metrics["vf_clip_frac"].item() == pytest.approx(0.5)
     unclipped, _ = value_loss(values, old_values, returns, mask, value_clip=None)
     torch.testing.assert_close(unclipped, torch.tensor([0.125, 2.0, 0.0], dtype=F64))
+
+
+def test_off_policy_weights_cap_and_mask_by_the_trainer_over_engine_ratio():
+    loss_mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    rollout = torch.zeros(2, 4)
+    old = torch.log(torch.tensor([[3.0, 1.0, 0.25, 9.0], [1.5, 1.5, 9.0, 9.0]]))  # rho per token
+    weights, mask, m = off_policy_correction(old, rollout, loss_mask, "tis", tis_cap=2.0)
+    torch.testing.assert_close(weights, torch.tensor([[2.0, 1.0, 0.25, 0.0], [1.5, 1.5, 0.0, 0.0]]))
+    assert torch.equal(mask, loss_mask)
+    weights, mask, m = off_policy_correction(old, rollout, loss_mask, "mis", mis_low=0.5, mis_high=2.0)
+    assert mask.tolist() == [[0.0, 1.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0]]  # 3 and 0.25 leave the loss
+    assert m["is_masked_fraction"] == pytest.approx(2 / 5) and torch.equal(weights, mask)
+    # sequence level: row 0's product is 3 * 1 * 0.25 = 0.75, row 1's 2.25 (the masked-out token ignored)
+    weights, _, _ = off_policy_correction(old, rollout, loss_mask, "seq_tis", tis_cap=2.0)
+    torch.testing.assert_close(weights, torch.tensor([[0.75, 0.75, 0.75, 0.0], [2.0, 2.0, 0.0, 0.0]]))
+    _, mask, _ = off_policy_correction(old, rollout, loss_mask, "seq_mis", mis_low=0.5, mis_high=2.0)
+    assert mask.tolist() == [[1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
+
+
+@pytest.mark.parametrize("mode", ["none", "tis", "mis", "seq_tis", "seq_mis"])
+def test_with_identical_logprobs_every_correction_is_none(mode):
+    gen = torch.Generator().manual_seed(0)
+    logprobs = -torch.rand(3, 5, generator=gen)
+    loss_mask = (torch.rand(3, 5, generator=gen) > 0.3).float()
+    weights, mask, m = off_policy_correction(logprobs, logprobs.clone(), loss_mask, mode)
+    assert torch.equal(mask, loss_mask) and torch.equal(weights, loss_mask)
+    assert m["is_weight_mean"] == 1 and m["is_masked_fraction"] == 0
+
+
+def test_an_unknown_correction_names_the_choices():
+    with pytest.raises(ValueError, match=r"unknown off-policy correction 'icepop'.*'seq_mis'"):
+        off_policy_correction(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), "icepop")

@@ -282,3 +282,15 @@ def test_flash_attention_without_a_gpu_is_refused_naming_the_key(tiny_model_path
         ValueError, match=r"trainer.policy.model.attn_implementation=flash_attention_2 needs a GPU"
     ):
         worker.init_model()
+
+
+def test_off_policy_weights_scale_the_policy_gradient_term(policy_dp2):
+    batch, bounds = stepwise_batch(512)
+    policy_dp2.run("init_model")
+    batch["old_logprobs"] = policy_dp2.forward(policy_dp2.stage(batch, bounds))["logprobs"]
+    (plain,) = policy_dp2.train(policy_dp2.stage(batch, bounds[:1]))
+    policy_dp2.run("init_model")
+    batch["is_weights"] = torch.full_like(batch["loss_mask"], 0.5)
+    (half,) = policy_dp2.train(policy_dp2.stage(batch, bounds[:1]))
+    assert half["loss"] == pytest.approx(0.5 * plain["loss"], rel=1e-5)
+    assert half["grad_norm"] == pytest.approx(0.5 * plain["grad_norm"], rel=1e-5)
