@@ -309,6 +309,12 @@ def row_groups(prefix_group: torch.Tensor | None, num_rows: int) -> list[list[in
     return list(groups.values())
 
 
+def longest_rows(attention_mask: torch.Tensor, groups: list[list[int]]) -> list[int]:
+    """Each group's row with the most attended tokens (the one a prefix group is computed as)."""
+    lengths = attention_mask.sum(-1).tolist()
+    return [max(group, key=lengths.__getitem__) for group in groups]
+
+
 def partition_rows(
     batch: TrainingInputBatch, dp_size: int, balance: bool, cost_weight: float | None = None
 ) -> list[list[int]]:
@@ -327,8 +333,7 @@ def partition_rows(
         raise ValueError(f"a batch of {n} rows cannot be split over {dp_size} ranks; pad it first")
     units = row_groups(batch.get("prefix_group"), n)
     sequences, attention_mask = batch["sequences"], batch["attention_mask"]
-    longest = [max(unit, key=lambda i: int(attention_mask[i].sum())) for unit in units]
-    tokens = [sequences[i][attention_mask[i].bool()] for i in longest]
+    tokens = [sequences[i][attention_mask[i].bool()] for i in longest_rows(attention_mask, units)]
     if len(units) >= dp_size:
         cost = attention_aware_cost(cost_weight) if cost_weight else None
         split = split_train_data_by_dp({"tokens": tokens}, dp_size, balance, cost)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from skyrl.train.training_batch import TrainingInputBatch
+from skyrl.train.training_batch import TrainingInputBatch, longest_rows, row_groups
 
 
 @dataclass
@@ -232,14 +232,13 @@ def layout_metrics(
     once rows of a prefix group are computed as their longest) and `batch/prefix_shared_fraction`
     (share of trajectories computed as one sequence)."""
     lengths = attention_mask.sum(-1).tolist()
-    longest: dict[int, int] = {}
+    groups = row_groups(prefix_group, len(lengths))
     groups_of: dict[str, set[int]] = {}
-    for group, length, trajectory in zip(prefix_group.tolist(), lengths, trajectory_ids, strict=True):
-        longest[group] = max(longest.get(group, 0), length)
+    for group, trajectory in zip(prefix_group.tolist(), trajectory_ids, strict=True):
         groups_of.setdefault(trajectory, set()).add(group)
     return {
         "batch/stepwise_tokens": float(sum(lengths)),
-        "batch/trained_tokens": float(sum(longest.values())),
+        "batch/trained_tokens": float(sum(lengths[i] for i in longest_rows(attention_mask, groups))),
         "batch/prefix_shared_fraction": sum(len(g) == 1 for g in groups_of.values()) / len(groups_of),
     }
 

@@ -227,7 +227,7 @@ class FSDPWorker:
 
     def _logprobs(
         self, mb: TrainingInputBatch, with_entropy: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logprobs (and entropy) of every real response token in the rows' [n, R] layout, 0 elsewhere,
         of the distribution the engines sampled from; the LM head runs only at those tokens, one
         `logprob_chunk_tokens` chunk at a time (recomputed in backward), so [tokens, vocab] logits
@@ -244,7 +244,11 @@ class FSDPWorker:
             if excluded is not None:  # finite, so entropy's p * logit stays 0 (not nan) on excluded tokens
                 logits = logits.masked_fill(excluded, -1e9)
             logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
-            return torch.stack([logprobs, entropy_from_logits(logits) if with_entropy else logprobs], -1)
+            return (
+                torch.stack([logprobs, entropy_from_logits(logits)], -1)
+                if with_entropy
+                else logprobs[:, None]
+            )
 
         def heads(hidden: torch.Tensor) -> torch.Tensor:
             size = self.cfg.logprob_chunk_tokens
@@ -254,7 +258,7 @@ class FSDPWorker:
             return torch.cat([chunk(h, t) for h, t in parts])
 
         out = self.root(layout, heads)
-        return layout.scatter(out[:, 0]), layout.scatter(out[:, 1])
+        return layout.scatter(out[:, 0]), layout.scatter(out[:, 1]) if with_entropy else None
 
     def _output(self, mb: TrainingInputBatch) -> dict[str, torch.Tensor]:
         logprobs, _ = self._logprobs(mb, with_entropy=False)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from skyrl.train.training_batch import row_groups
+from skyrl.train.training_batch import longest_rows, row_groups
 from skyrl.train.utils.seqlen_balancing import get_seqlen_balanced_partitions
 
 
@@ -32,7 +32,8 @@ def unit_tokens(
     response token to score (a pad row: nothing to compute)."""
     lengths = attention_mask.sum(-1).tolist()
     needed = response_mask.sum(-1).tolist()
-    return [max(lengths[i] for i in unit) if any(needed[i] for i in unit) else 0 for unit in units]
+    longest = longest_rows(attention_mask, units)
+    return [lengths[i] if any(needed[j] for j in unit) else 0 for i, unit in zip(longest, units, strict=True)]
 
 
 def plan_micro_batches(
@@ -142,15 +143,18 @@ def build_layout(
     real = [sequences[i][attention_mask[i].bool()] for i in range(n)]
     prompt_lengths = attention_mask[:, :prompt_width].sum(-1).tolist()
     response_lengths = response_mask.sum(-1).tolist()
-    kept = [(unit, length) for unit, length in zip(units, needed, strict=True) if length]
-    lengths = [length for _, length in kept] or [1]
+    kept = [
+        (unit, longest, length)
+        for unit, longest, length in zip(units, longest_rows(attention_mask, units), needed, strict=True)
+        if length
+    ]
+    lengths = [length for _, _, length in kept] or [1]
     batch, length = (1, sum(lengths)) if packed else (len(lengths), max(lengths))
     input_ids = torch.zeros(batch, length, dtype=torch.long)
     position_ids = torch.arange(length).repeat(batch, 1)
     index, targets, rows, cols = [], [], [], []
     offset = 0
-    for b, (unit, unit_length) in enumerate(kept):
-        longest = max(unit, key=lambda i: len(real[i]))
+    for b, (unit, longest, unit_length) in enumerate(kept):
         start = offset if packed else b * length
         input_ids.view(-1)[start : start + unit_length] = real[longest]
         if packed:
