@@ -602,7 +602,8 @@ class CriticWorker(TrainableWorker):
         """V(s_t) for each real response token t in the rows' [n, R] layout: the value head at the
         position that predicts it (only there)."""
         layout = self._layout(mb)
-        values = self.root(layout, lambda hidden: self.model.score(hidden)[:, 0].float())
+        # a copy, not a view: FSDP warns that an in-place op on a returned view would skip its hooks
+        values = self.root(layout, lambda hidden: self.model.score(hidden)[:, 0].float().clone())
         return layout.scatter(values)
 
     def _output(self, mb: TrainingInputBatch) -> dict[str, torch.Tensor]:
