@@ -325,6 +325,23 @@ def validate_config(cfg: SkyRLConfig) -> None:
             "the colocated engines share (trainer.placement.policy_num_nodes x policy_num_gpus_per_node); "
             f"use num_engines<={bundles} or placement=disaggregated.",
         )
+    staleness = t.async_training.max_staleness
+    _require(
+        staleness >= 0,
+        f"trainer.async_training.max_staleness={staleness} must be >= 0 (0: the synchronous loop), e.g. 1.",
+    )
+    _require(
+        staleness == 0 or not p.colocate_all,
+        f"trainer.async_training.max_staleness={staleness} generates while the workers train, so the "
+        "engines need devices of their own, but trainer.placement.colocate_all=true; use "
+        "placement=disaggregated (or max_staleness=0).",
+    )
+    _require(
+        staleness >= 1 or not g.inflight_weight_updates,
+        "generator.inflight_weight_updates=true lands weight syncs in episodes in progress, but "
+        "trainer.async_training.max_staleness=0 (the synchronous loop) syncs when none is; set "
+        "trainer.async_training.max_staleness=1, or inflight_weight_updates=false.",
+    )
     _require(
         e.weight_sync != "ipc" or p.colocate_all,
         "generator.inference_engine.weight_sync=ipc with trainer.placement.colocate_all=false: shared-memory "

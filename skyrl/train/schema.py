@@ -143,6 +143,17 @@ class AlgorithmConfig:
 
 
 @dataclass
+class AsyncTrainingConfig:
+    """Generation overlapped with training. `max_staleness` s bounds how many policy versions an
+    episode's oldest turn may lag the policy that trains on it: 0 is the synchronous loop (generate,
+    train, sync); with s >= 1 the next s batches are generated while the workers train, and weights
+    go to the engines as soon as a step ends (engines need devices of their own:
+    placement=disaggregated). See `skyrl.train.generator.stream`."""
+
+    max_staleness: int = 0
+
+
+@dataclass
 class TrainerConfig:
     """The loop's settings; every FSDP worker receives this section (its role's `policy` / `ref` /
     `critic` part, `algorithm`'s loss settings, micro-batch sizes, seed, placement threads)."""
@@ -167,6 +178,7 @@ class TrainerConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
     project_name: str = "skyrl"
     run_name: str | None = None
@@ -281,6 +293,9 @@ class GeneratorConfig:
     env_workers: int = 8  # threads that run environment calls
     max_env_failure_fraction: float = 0.5
     env_failure: str = "mask"  # one of ENV_FAILURE_MODES
+    # asynchronous training: a weight sync lands while episodes are in progress, which continue on
+    # the new weights (partial rollouts); off, a sync waits for them
+    inflight_weight_updates: bool = False
 
 
 # ---------------------------------------------------------------------------

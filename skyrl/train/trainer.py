@@ -2,7 +2,9 @@
 
 generate -> sequences and batch -> mini-batch boundaries -> old/ref logprobs and values
 -> KL penalty in reward -> advantages -> train (per epoch, per mini-batch) -> weight sync
--> metrics; `fit` adds eval and checkpoints around it.
+-> metrics; `fit` adds eval and checkpoints around it. With
+`trainer.async_training.max_staleness` >= 1 "generate" takes episodes a `RolloutStream`
+generated while the previous steps trained (`skyrl.train.generator.stream`).
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Coroutine, Iterator
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +50,7 @@ from skyrl.train.dataset.preprocess import (
 )
 from skyrl.train.dataset.prompt_dataset import PromptDataset, PromptLoader
 from skyrl.train.generator.rollout import Episode, RolloutManager, allowed_token_ids, rollout_metrics
+from skyrl.train.generator.stream import RolloutStream, episode_staleness
 from skyrl.train.inference import InferenceEngineClient
 from skyrl.train.inference.weight_sync import WeightSyncGroup
 from skyrl.train.schema import SkyRLConfig
@@ -54,7 +58,13 @@ from skyrl.train.training_batch import TrainingInputBatch
 from skyrl.train.utils.errors import ConfigError
 from skyrl.train.utils.seqlen_balancing import attention_cost_weight
 from skyrl.train.utils.tracking import METRICS_FILE, Tracker
-from skyrl.train.workers.actor_group import ActorGroup, create_placement_group, latest_checkpoint
+from skyrl.train.workers.actor_group import (
+    ActorGroup,
+    create_placement_group,
+    latest_checkpoint,
+    pin_to_cores,
+    unpin_driver,
+)
 from skyrl.train.workers.dispatch import MeshDispatch, StagedMiniBatch
 from skyrl.train.workers.fsdp_worker import CHECKPOINT_DONE, CriticWorker, FSDPWorker, PolicyWorker, RefWorker
 
@@ -114,8 +124,12 @@ class Trainer:
         self.colocated = t.placement.colocate_all
         self._build_workers()
         self.client = self._start_engines()
+        self._pin_to_cores()
         self.weight_sync = self._init_weight_sync()
         self.rollout = RolloutManager(self.client, self.tokenizer, cfg.generator, cfg.environment)
+        self.stream: RolloutStream | None = None  # max_staleness >= 1: started by the first step
+        self._loader_state = self.loader.state_dict()  # after the last batch of prompts a step took
+        self._train_ended: float | None = None  # when the last step's training ended
         self.tracker = Tracker(
             t.logger, self.run_dir, t.project_name, t.run_name or self.run_dir.name, asdict(cfg)
         )
@@ -170,6 +184,22 @@ class Trainer:
             e = replace(e, enable_sleep_mode=True)
         return InferenceEngineClient.from_config(e, self.model_path, strategies, self._engine_resources)
 
+    def _pin_to_cores(self) -> None:
+        """Disaggregated on CPU: every engine and worker on cores of its own (`num_cpus_per_engine` x
+        tensor parallel and `cpus_per_worker` each), when the node has enough (`pin_to_cores`)."""
+        self.pinned_to_cores, self._driver_cores = False, None
+        if self.colocated or ray.cluster_resources().get("GPU", 0) > 0:
+            return
+        e, p = self.cfg.generator.inference_engine, self.cfg.trainer.placement
+        actors = [
+            (engine, int(e.num_cpus_per_engine) * e.tensor_parallel_size) for engine in self.client.engines
+        ]
+        for group in (self.policy, self.ref, self.critic):
+            actors += [(worker, int(p.cpus_per_worker)) for worker in group.actors] if group else []
+        self._driver_cores = pin_to_cores(actors)
+        self.pinned_to_cores = self._driver_cores is not None
+        logger.info("engines and workers on cores of their own: %s", self.pinned_to_cores)
+
     def _init_weight_sync(self) -> str:
         """Resolve `weight_sync` (`object_store`, `broadcast` or `ipc`) and, for `broadcast`, join policy
         rank 0 and the engines in one group."""
@@ -201,6 +231,8 @@ class Trainer:
     # ---- one step ----
     def train_step(self) -> dict[str, float]:
         timings: dict[str, float] = {}
+        start = time.perf_counter()
+        engine_busy = self.stream.busy.seconds() if self.stream else 0.0
         with _timer(timings, "generate"):
             episodes, excluded_uids, gen_metrics = self.generate()
         if self.colocated:  # the engines hand the accelerator to the workers (a no-op on CPU)
@@ -215,14 +247,21 @@ class Trainer:
             adv_metrics = self.compute_advantages(batch)
         with _timer(timings, "train"):
             train_metrics = self.train(batch)
+        self._train_ended = time.perf_counter()
         self._staged = {}  # the object store frees them once no ref is left
         with _timer(timings, "sync"):
             if self.colocated:
                 asyncio.run(self.client.wake_up())
             self.sync_weights()
         self.step += 1
+        window = time.perf_counter() - start
+        # engines: generating; workers: computing logprobs or training (sync and the driver's work aside)
+        engine_busy = self.stream.busy.seconds() - engine_busy if self.stream else timings["generate"]
+        idle = {"engines": window - engine_busy, "workers": window - timings["forward"] - timings["train"]}
         return {
             **gen_metrics,
+            **{f"idle/{k}_s": v for k, v in idle.items()},
+            **{f"idle/{k}_fraction": v / window for k, v in idle.items()},
             **adv_metrics,
             **train_metrics,
             **{f"timing/{k}_s": v for k, v in timings.items()},
@@ -243,6 +282,8 @@ class Trainer:
         fill it and are left out of the loss. `zero_variance_filter` leaves out every such group. Both
         decide per episode, on its total environment reward (before any KL penalty). `reward/*` and
         `episode/*` describe the trained batch; figures over every draw go under `dynamic_sampling/`.
+        With a stream, `async/*` gives the trained episodes' staleness, the episodes dropped for
+        exceeding it and how long before the previous step's training ended their generation began.
         """
         a, t = self.cfg.trainer.algorithm, self.cfg.trainer
         n = self.cfg.generator.n_samples_per_prompt
@@ -250,14 +291,23 @@ class Trainer:
         kept: list[list[Episode]] = []
         set_aside: list[list[Episode]] = []
         drawn: list[Episode] = []
-        seconds = 0.0
+        seconds, dropped, started = 0.0, 0, []
         for draw in range(a.max_sample_batches if filter_groups else 1):
-            prompts = self.loader.next_batch()
-            out = self.rollout.generate(prompts, [f"s{self.step}d{draw}p{i}" for i in range(len(prompts))])
-            seconds += out.metrics["timing/generate_s"]
-            drawn += out.episodes
-            for i in range(0, len(out.episodes), n):
-                group = out.episodes[i : i + n]
+            begin = time.perf_counter()
+            if t.async_training.max_staleness == 0:
+                prompts = self.loader.next_batch()
+                uids = [f"s{self.step}d{draw}p{i}" for i in range(len(prompts))]
+                out = self.rollout.generate(prompts, uids).episodes
+                self._loader_state = self.loader.state_dict()
+            else:
+                taken = self._stream().take(self.weight_version)
+                out, self._loader_state = taken.episodes, taken.loader_state
+                dropped += taken.dropped
+                started.append(taken.started)
+            seconds += time.perf_counter() - begin
+            drawn += out
+            for i in range(0, len(out), n):
+                group = out[i : i + n]
                 (set_aside if filter_groups and rewards_tie(group) else kept).append(group)
             if len(kept) >= t.train_batch_size:
                 break
@@ -271,6 +321,14 @@ class Trainer:
             if warning:
                 logger.warning(warning)
         metrics = rollout_metrics(episodes, n, seconds)
+        if started:
+            staleness = [episode_staleness(e, self.weight_version) for e in episodes]
+            metrics |= {
+                "async/staleness_mean": float(np.mean(staleness)),
+                "async/staleness_max": float(max(staleness)),
+                "async/dropped_episodes": float(dropped),
+                "async/started_ahead_s": self._train_ended - min(started) if self._train_ended else 0.0,
+            }
         excluded: set[str] = set()
         if filter_groups:
             fillers = groups[len(kept) :]
@@ -286,6 +344,23 @@ class Trainer:
             metrics["filter/zero_variance_groups"] = float(len(tied))
             excluded |= tied
         return episodes, excluded, metrics
+
+    def _stream(self) -> RolloutStream:
+        """The rollout stream, started at the first call (after a resume restored the loader)."""
+        if self.stream is None:
+            self.stream = RolloutStream(
+                self.rollout,
+                self.loader,
+                self.cfg.trainer.async_training.max_staleness,
+                self.cfg.generator.inflight_weight_updates,
+                self.client.weight_version,
+                self.cfg.generator.n_samples_per_prompt,
+            )
+        return self.stream
+
+    def _await(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        """Run an engine-client coroutine: on the stream's loop once there is one, else in a new loop."""
+        return self.stream.run(coro) if self.stream else asyncio.run(coro)
 
     def make_batch(self, episodes: list[Episode], excluded_uids: set[str]) -> TrainingInputBatch:
         """The step's training rows; rows of the `excluded_uids` groups get loss mask 0. With
@@ -430,22 +505,33 @@ class Trainer:
 
     def sync_weights(self) -> None:
         """Policy weights to every engine (a full state dict through the object store, or group by group
-        by broadcast or shared memory); bumps the weight version."""
+        by broadcast or shared memory); bumps the weight version. With a stream the update runs on its
+        loop, after the episodes in progress unless `generator.inflight_weight_updates`."""
         self.weight_version += 1
         version = self.weight_version
+        update: partial[Awaitable[None]]
         if self.weight_sync == "object_store":
-            asyncio.run(self.client.update_weights(self.policy.full_state_dict_ref(), version))
-            return
-        spec = self.policy.run("weight_stream_spec")[0]
-        if self.weight_sync == "broadcast":
-            sync = self.client.broadcast_weights(
-                spec, version, lambda: self.policy.run_async("broadcast_weights")
+            update = partial(self.client.update_weights, self.policy.full_state_dict_ref(), version)
+        elif self.weight_sync == "broadcast":
+            spec = self.policy.run("weight_stream_spec")[0]
+            update = partial(
+                self.client.broadcast_weights,
+                spec,
+                version,
+                lambda: self.policy.run_async("broadcast_weights"),
             )
         else:
-            sync = self.client.share_weights(
-                spec, version, lambda engines: self.policy.run_async("share_weights", engines, version)
+            spec = self.policy.run("weight_stream_spec")[0]
+            update = partial(
+                self.client.share_weights,
+                spec,
+                version,
+                lambda engines: self.policy.run_async("share_weights", engines, version),
             )
-        asyncio.run(sync)
+        if self.stream is None:
+            asyncio.run(update())
+        else:
+            self.stream.sync(update, version)
 
     # ---- eval ----
     def evaluate(self) -> dict[str, float]:
@@ -458,7 +544,9 @@ class Trainer:
             ("greedy", self.cfg.generator.eval_sampling, 1),
             ("sampled", self.cfg.generator.sampling, self.cfg.trainer.eval_n_samples),
         ):
-            out = self.rollout.generate(prompts, [f"eval{i}" for i in range(len(prompts))], sampling, n)
+            out = self._await(
+                self.rollout.agenerate(prompts, [f"eval{i}" for i in range(len(prompts))], sampling, n)
+            )
             metrics[f"eval/{name}/reward_mean"] = out.metrics["reward/mean"]
             metrics[f"eval/{name}/pass@{n}"] = out.metrics[f"reward/pass@{n}"]
         return metrics
@@ -480,7 +568,7 @@ class Trainer:
         state = {
             "step": self.step,
             "weight_version": self.weight_version,
-            "loader": self.loader.state_dict(),
+            "loader": self._loader_state,  # prompts the stream drew ahead are drawn again on resume
             "kl_coef": self.kl_ctrl.value,
         }
         (tmp / TRAINER_STATE).write_text(json.dumps(state))
@@ -512,6 +600,7 @@ class Trainer:
         state = json.loads((path / TRAINER_STATE).read_text())
         self.step, self.weight_version = state["step"], state["weight_version"]
         self.loader.load_state_dict(state["loader"])
+        self._loader_state = self.loader.state_dict()
         self.kl_ctrl.value = state["kl_coef"]
         rng = torch.load(path / "driver_rng.pt", weights_only=False)
         random.setstate(rng["python"])
@@ -560,6 +649,8 @@ class Trainer:
         return history
 
     def shutdown(self) -> None:
+        if self.stream is not None:
+            self.stream.stop()
         self.tracker.close()
         self.client.shutdown()
         for group in (self.policy, self.ref, self.critic):
@@ -567,6 +658,8 @@ class Trainer:
                 group.kill()
         for pg in self._placement_groups:
             remove_placement_group(pg)
+        if self._driver_cores is not None:
+            unpin_driver(self._driver_cores)
 
 
 def step_line(step: int, m: dict[str, float]) -> str:

@@ -133,6 +133,15 @@ BAD_CONFIGS = [
         ["environment.config.guess_number.allowed_tokens=[]"],
         r"environment.config.guess_number.allowed_tokens=\[\] must be a non-empty list",
     ),
+    (["trainer.async_training.max_staleness=-1"], r"trainer.async_training.max_staleness=-1 must be >= 0"),
+    (
+        ["trainer.async_training.max_staleness=1"],
+        r"max_staleness=1 generates while the workers train.*colocate_all=true; use placement=disaggregated",
+    ),
+    (
+        ["generator.inflight_weight_updates=true"],
+        r"inflight_weight_updates=true .*max_staleness=0 .*; set trainer.async_training.max_staleness=1",
+    ),
     (
         ["generator.env_failure=skip"],
         r"generator.env_failure='skip' is not one of \['mask', 'zero_reward'\]",

@@ -152,6 +152,7 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "trainer.algorithm.dynamic_sampling": ("trainer.algorithm.dynamic_sampling=filter",),
     "trainer.algorithm.max_sample_batches": ("trainer.algorithm.max_sample_batches=2",),
     "trainer.algorithm.zero_variance_filter": ("trainer.algorithm.zero_variance_filter=true",),
+    "trainer.async_training.max_staleness": ("trainer.async_training.max_staleness=1", APART),
     "trainer.logger": ("trainer.logger=[jsonl]",),
     "trainer.project_name": ("trainer.project_name=proj",),
     "trainer.run_name": ("trainer.run_name=run",),
@@ -210,6 +211,11 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "generator.env_workers": ("generator.env_workers=2",),
     "generator.max_env_failure_fraction": ("generator.max_env_failure_fraction=0.25",),
     "generator.env_failure": ("generator.env_failure=zero_reward",),
+    "generator.inflight_weight_updates": (
+        "generator.inflight_weight_updates=true",
+        "trainer.async_training.max_staleness=1",
+        APART,
+    ),
     "environment.env_class": ("environment.env_class=calculator",),
     "environment.config": ("environment.config.guess_number.max_value=6",),
     "ray.address": ("ray.address=10.0.0.1:6379",),
@@ -264,7 +270,11 @@ def user(key: str) -> str:
         return "policy"
     if parts[:2] == ["generator", "inference_engine"] and not parts[2].startswith("weight_sync"):
         return "engine"
-    if parts[0] == "generator" and parts[1] not in ("step_wise", "inference_engine"):
+    if parts[0] == "generator" and parts[1] not in (
+        "step_wise",
+        "inference_engine",
+        "inflight_weight_updates",
+    ):
         return "rollout"
     return "trainer"
 
@@ -391,6 +401,7 @@ def build(monkeypatch, tmp_path, tiny_model_path, prompts):
         monkeypatch.setattr(trainer_module, "Tracker", lambda *args: tracker.extend(args))
         monkeypatch.setattr(trainer_module.ray, "cluster_resources", lambda: {"CPU": 8.0})
         monkeypatch.setattr(InferenceEngineClient, "from_config", from_config)
+        monkeypatch.setattr(Trainer, "_pin_to_cores", lambda self: None)
         trainer = Trainer(cfg, tmp_path, str(tiny_model_path), (prompts, None))
         return Built(trainer, workers, sizes, bundle_cpus, engine, tuple(tracker))
 

@@ -33,7 +33,8 @@ class Turn:
 
     `context_ids` is the full context the model saw (prompt, earlier turns and
     observations); `response_ids` what it generated, with one `logprobs` and
-    one `loss_mask` entry per response token; `reward` the env's reward for it.
+    one `loss_mask` entry per response token; `reward` the env's reward for it;
+    `weight_version` the weight version of the engine that generated it.
     """
 
     context_ids: list[int]
@@ -41,6 +42,7 @@ class Turn:
     logprobs: list[float]
     loss_mask: list[int]
     reward: float = 0.0
+    weight_version: int = 0
 
 
 @dataclass

@@ -22,7 +22,7 @@ import logging
 import math
 import statistics
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,12 +90,16 @@ class ChatTemplateDelta:
     messages and the generation prompt. `close_turn(response)` is what must follow
     a response to finish the assistant turn as the template writes it (the rest of
     the end-of-turn suffix after an eos, or the whole suffix when generation was cut).
+    Renders are cached by message content (a prompt's samples, and environments' recurring
+    observations, render once), up to `CACHE_SIZE` entries.
     """
 
     BASE = ({"role": "user", "content": "x"}, {"role": "assistant", "content": "y"})
+    CACHE_SIZE = 4096
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
+        self._cache: OrderedDict[tuple, list[int]] = OrderedDict()
         base = self._render(list(self.BASE), add_generation_prompt=False)
         eos = tokenizer.eos_token_id
         if eos not in base:
@@ -108,10 +112,23 @@ class ChatTemplateDelta:
         self.turn_suffix = base[len(base) - base[::-1].index(eos) - 1 :]  # eos and what follows it
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        try:
+            key = (add_generation_prompt, *(tuple(sorted(m.items())) for m in messages))
+            hash(key)
+        except TypeError:  # e.g. a list of content parts: rendered every time
+            key = None
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return list(self._cache[key])
         ids = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=True
         )
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        if key is not None:
+            self._cache[key] = ids
+            if len(self._cache) > self.CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return list(ids)
 
     def prompt(self, messages: list[dict[str, str]]) -> list[int]:
         return self._render(messages, add_generation_prompt=True)
@@ -225,8 +242,9 @@ class RolloutManager:
                 response = list(out.response_ids)
                 text = self.tokenizer.decode(response, skip_special_tokens=True)
                 step = await self._env_call(pool, env.step, text)
+                logprobs, mask = list(out.logprobs), [1] * len(response)
                 turns.append(
-                    Turn(list(context), response, list(out.logprobs), [1] * len(response), float(step.reward))
+                    Turn(list(context), response, logprobs, mask, float(step.reward), out.weight_version)
                 )
                 total += float(step.reward)
                 if step.done:
@@ -260,7 +278,8 @@ class RolloutManager:
 
     def _empty_turn(self, row: PromptRow) -> list[Turn]:
         """A placeholder turn for an episode that produced no response: trains nothing (loss mask 0)."""
-        return [Turn(self.template.prompt(row.prompt), [self.template.eos], [0.0], [0], 0.0)]
+        prompt = self.template.prompt(row.prompt)
+        return [Turn(prompt, [self.template.eos], [0.0], [0], 0.0, self.client.weight_version)]
 
 
 def rollout_metrics(episodes: list[Episode], n_samples_per_prompt: int, seconds: float) -> dict[str, float]:

@@ -225,6 +225,10 @@ class InferenceEngineClient:
         )
 
         def resolve(done: asyncio.Future) -> None:
+            if done.cancelled():  # e.g. the loop is shutting down: so are the requests
+                for _, _, future in requests:
+                    future.cancel()
+                return
             error = done.exception()
             results = [error] * len(requests) if error is not None else done.result()
             for (_, _, future), result in zip(requests, results, strict=True):

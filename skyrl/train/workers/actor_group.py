@@ -10,11 +10,14 @@ have the resources.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import socket
 from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import Any
 
+import psutil
 import ray
 from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -51,6 +54,51 @@ def create_placement_group(
             "smaller bundles, or add nodes (ray start --address=...)."
         ) from e
     return pg
+
+
+def pin_to_cores(actors: Sequence[tuple[Any, int]]) -> list[int] | None:
+    """Give each `(actor, n)` `n` cores of its own (every thread of its process), in order from this
+    node's first core, and move this process and its other descendants (a local cluster's Ray
+    daemons) onto the first actor's cores; only on a one-node cluster with enough cores for the
+    actors. Returns the cores this process had (for `unpin_driver`), or None when it did not pin.
+    Ray's CPUs are logical: without pinning the OS moves every process over every core."""
+    cores = sorted(os.sched_getaffinity(0))
+    wanted = [max(1, n) for _, n in actors]
+    if len([n for n in ray.nodes() if n["Alive"]]) != 1 or sum(wanted) > len(cores):
+        return None
+    starts = [sum(wanted[:i]) for i in range(len(wanted))]
+    pinned = ray.get(
+        [
+            actor.__ray_call__.remote(_pin_threads, cores[start : start + n])
+            for (actor, _), start, n in zip(actors, starts, wanted, strict=True)
+        ]
+    )
+    _pin_driver(cores[: wanted[0]], skip={pid for pids in pinned for pid in pids})
+    return cores
+
+
+def unpin_driver(cores: list[int]) -> None:
+    """Give this process and its descendants `cores` again (what `pin_to_cores` returned)."""
+    _pin_driver(cores, skip=set())
+
+
+def _pin_driver(cores: list[int], skip: set[int]) -> None:
+    driver = psutil.Process()
+    for process in [driver, *driver.children(recursive=True)]:
+        if process.pid not in skip:
+            with contextlib.suppress(psutil.Error, OSError):  # e.g. a process that just exited
+                for thread in process.threads():
+                    os.sched_setaffinity(thread.id, cores)
+
+
+def _pin_threads(_actor: Any, cores: list[int]) -> list[int]:
+    """Bind every thread of this process and of its children to `cores` (threads started later
+    inherit it); returns the processes' ids."""
+    processes = [psutil.Process(), *psutil.Process().children(recursive=True)]
+    for process in processes:
+        for thread in process.threads():
+            os.sched_setaffinity(thread.id, cores)
+    return [p.pid for p in processes]
 
 
 def node_free_port() -> tuple[str, int]:

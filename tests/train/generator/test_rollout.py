@@ -5,7 +5,7 @@ from transformers import AutoTokenizer
 
 from skyrl.train.dataset.preprocess import trajectories_to_sequences
 from skyrl.train.dataset.prompt_dataset import parse_rows
-from skyrl.train.generator.rollout import RolloutManager, allowed_token_ids
+from skyrl.train.generator.rollout import ChatTemplateDelta, RolloutManager, allowed_token_ids
 from skyrl.train.inference import InferenceEngineClient, InferenceEngineConfig
 from skyrl.train.schema import EnvironmentConfig, GeneratorConfig
 from skyrl.train.utils.errors import ConfigError
@@ -172,3 +172,15 @@ def test_an_action_space_entry_of_several_tokens_names_its_key(tokenizer):
     env = EnvironmentConfig("guess_number", {"guess_number": {"allowed_tokens": ["Guess the number"]}})
     with pytest.raises(ConfigError, match=r"environment.config.guess_number.allowed_tokens entry 'Guess"):
         allowed_token_ids(tokenizer, env)
+
+
+def test_cached_chat_template_renders_equal_fresh_ones_and_callers_cannot_change_them(tokenizer):
+    template = ChatTemplateDelta(tokenizer)
+    messages = [{"role": "user", "content": "Guess a number."}]
+    observation = [{"role": "user", "content": "Higher."}]
+    first = template.prompt(messages)
+    first.append(0)  # a caller extends its context in place
+    assert template.prompt(messages) == first[:-1] == ChatTemplateDelta(tokenizer).prompt(messages)
+    assert template.observation(observation) == ChatTemplateDelta(tokenizer).observation(observation)
+    unhashable = [{"role": "user", "content": "Guess a number.", "tags": ["a"]}]  # rendered, not cached
+    assert template.prompt(unhashable) == template.prompt(messages)
