@@ -166,7 +166,7 @@ def validate_config(cfg: SkyRLConfig) -> None:
     from skyrl.envs import resolve as resolve_env
     from skyrl.train.algorithms import REDUCTIONS, get_advantage_estimator, get_policy_loss
     from skyrl.train.algorithms.losses import KL_ESTIMATORS, OFF_POLICY_CORRECTIONS
-    from skyrl.train.inference.config import validate_engine_config
+    from skyrl.train.inference.config import validate_engine_config, validate_server_config
     from skyrl.train.utils.tracking import BACKENDS
 
     t, a, g, d = cfg.trainer, cfg.trainer.algorithm, cfg.generator, cfg.data
@@ -310,6 +310,7 @@ def validate_config(cfg: SkyRLConfig) -> None:
         local = path is not None and Path(path).suffix in (".parquet", ".jsonl", ".json")
         _require(not local or Path(path).exists(), f"{key}={path!r} does not exist; give an existing file.")
     validate_engine_config(g.inference_engine)
+    validate_server_config(g.http_endpoint)
     e, p = g.inference_engine, t.placement
     if p.colocate_all:
         bundles = p.dp_size("policy")

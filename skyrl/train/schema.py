@@ -254,14 +254,15 @@ class InferenceEngineConfig:
 
 @dataclass
 class OpenAIServerConfig:
-    """The OpenAI-compatible HTTP endpoint over the engines (`OpenAIServer`; not part of the tree:
-    the trainer does not serve it).
+    """The OpenAI-compatible HTTP endpoint over the engines (`OpenAIServer`), `generator.http_endpoint`
+    in the tree: with `enabled` the trainer serves the engines for the whole run.
 
     port 0 picks a free port. api_key None serves without authentication;
     otherwise requests need `Authorization: Bearer <api_key>`. served_model_name
     None means the model path. default_max_tokens applies when a request sets none.
     """
 
+    enabled: bool = False
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
@@ -290,6 +291,8 @@ class GeneratorConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     eval_sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
     inference_engine: InferenceEngineConfig = field(default_factory=InferenceEngineConfig)
+    # the run serves the engines over HTTP (0: a free port, written to http_endpoint.json in the run directory)
+    http_endpoint: OpenAIServerConfig = field(default_factory=lambda: OpenAIServerConfig(port=0))
     env_workers: int = 8  # threads that run environment calls
     max_env_failure_fraction: float = 0.5
     env_failure: str = "mask"  # one of ENV_FAILURE_MODES

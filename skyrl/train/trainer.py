@@ -52,9 +52,11 @@ from skyrl.train.dataset.prompt_dataset import PromptDataset, PromptLoader
 from skyrl.train.generator.rollout import Episode, RolloutManager, allowed_token_ids, rollout_metrics
 from skyrl.train.generator.stream import RolloutStream, episode_staleness
 from skyrl.train.inference import InferenceEngineClient
+from skyrl.train.inference.openai_server import OpenAIServer
 from skyrl.train.inference.weight_sync import WeightSyncGroup
 from skyrl.train.schema import SkyRLConfig
 from skyrl.train.training_batch import TrainingInputBatch
+from skyrl.train.utils.background_loop import BackgroundLoop
 from skyrl.train.utils.errors import ConfigError
 from skyrl.train.utils.seqlen_balancing import attention_cost_weight
 from skyrl.train.utils.tracking import METRICS_FILE, Tracker
@@ -70,6 +72,7 @@ from skyrl.train.workers.fsdp_worker import CHECKPOINT_DONE, CriticWorker, FSDPW
 
 logger = logging.getLogger(__name__)
 TRAINER_STATE = "trainer_state.json"
+ENDPOINT_FILE = "http_endpoint.json"  # the HTTP endpoint's base_url, model and whether it needs a key
 TIED_STEPS_WARNING = 5  # warn after this many steps without a group that has reward variance
 # what every forward pass reads (prefix_group: which rows are computed as one sequence)
 FORWARD_FIELDS = ["sequences", "attention_mask", "response_mask", "prefix_group"]
@@ -127,7 +130,11 @@ class Trainer:
         self._pin_to_cores()
         self.weight_sync = self._init_weight_sync()
         self.rollout = RolloutManager(self.client, self.tokenizer, cfg.generator, cfg.environment)
+        self._loop: BackgroundLoop | None = None  # once there is one, every engine-client call runs on it
         self.stream: RolloutStream | None = None  # max_staleness >= 1: started by the first step
+        self.server: OpenAIServer | None = None
+        if cfg.generator.http_endpoint.enabled:
+            self._serve()
         self._loader_state = self.loader.state_dict()  # after the last batch of prompts a step took
         self._train_ended: float | None = None  # when the last step's training ended
         self.tracker = Tracker(
@@ -236,7 +243,9 @@ class Trainer:
         with _timer(timings, "generate"):
             episodes, excluded_uids, gen_metrics = self.generate()
         if self.colocated:  # the engines hand the accelerator to the workers (a no-op on CPU)
-            asyncio.run(self.client.sleep())
+            sleep = partial(self.client.sleep)
+            # the endpoint holds requests until the weight sync after training has woken the engines
+            self._await(self._paused(sleep, resume=False) if self.server else sleep())
         self._staged, self._dispatch_bytes = {}, 0
         with _timer(timings, "batch"):
             batch = self.make_batch(episodes, excluded_uids)
@@ -251,7 +260,7 @@ class Trainer:
         self._staged = {}  # the object store frees them once no ref is left
         with _timer(timings, "sync"):
             if self.colocated:
-                asyncio.run(self.client.wake_up())
+                self._await(self.client.wake_up())
             self.sync_weights()
         self.step += 1
         window = time.perf_counter() - start
@@ -297,7 +306,7 @@ class Trainer:
             if t.async_training.max_staleness == 0:
                 prompts = self.loader.next_batch()
                 uids = [f"s{self.step}d{draw}p{i}" for i in range(len(prompts))]
-                out = self.rollout.generate(prompts, uids).episodes
+                out = self._await(self.rollout.agenerate(prompts, uids)).episodes
                 self._loader_state = self.loader.state_dict()
             else:
                 taken = self._stream().take(self.weight_version)
@@ -349,6 +358,7 @@ class Trainer:
         """The rollout stream, started at the first call (after a resume restored the loader)."""
         if self.stream is None:
             self.stream = RolloutStream(
+                self._engine_loop(),
                 self.rollout,
                 self.loader,
                 self.cfg.trainer.async_training.max_staleness,
@@ -358,9 +368,33 @@ class Trainer:
             )
         return self.stream
 
+    def _serve(self) -> None:
+        """Serve the engines over HTTP for the whole run (`generator.http_endpoint`); the address goes
+        to the console and to `ENDPOINT_FILE` in the run directory."""
+        cfg = self.cfg.generator.http_endpoint
+        self.server = OpenAIServer(self.client, self.model_path, cfg)
+        self._engine_loop().run(self.server.start())
+        endpoint = {"base_url": f"{self.server.url}/v1", "model": self.server.model_name}
+        (self.run_dir / ENDPOINT_FILE).write_text(json.dumps({**endpoint, "api_key": bool(cfg.api_key)}))
+        print(f"HTTP endpoint: {endpoint['base_url']} (model {endpoint['model']!r}), in {ENDPOINT_FILE}")
+
+    async def _paused(self, call: partial[Awaitable[None]], resume: bool = True) -> None:
+        """`call()` once the HTTP endpoint holds new requests and its requests in progress finished;
+        with `resume`, it serves again after."""
+        assert self.server is not None
+        await self.server.pause()
+        await call()
+        if resume:
+            await self.server.resume()
+
+    def _engine_loop(self) -> BackgroundLoop:
+        if self._loop is None:
+            self._loop = BackgroundLoop()
+        return self._loop
+
     def _await(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        """Run an engine-client coroutine: on the stream's loop once there is one, else in a new loop."""
-        return self.stream.run(coro) if self.stream else asyncio.run(coro)
+        """Run an engine-client coroutine: on the background loop once there is one, else in a new loop."""
+        return self._loop.run(coro) if self._loop else asyncio.run(coro)
 
     def make_batch(self, episodes: list[Episode], excluded_uids: set[str]) -> TrainingInputBatch:
         """The step's training rows; rows of the `excluded_uids` groups get loss mask 0. With
@@ -528,8 +562,10 @@ class Trainer:
                 version,
                 lambda engines: self.policy.run_async("share_weights", engines, version),
             )
+        if self.server is not None:
+            update = partial(self._paused, update)
         if self.stream is None:
-            asyncio.run(update())
+            self._await(update())
         else:
             self.stream.sync(update, version)
 
@@ -651,6 +687,10 @@ class Trainer:
     def shutdown(self) -> None:
         if self.stream is not None:
             self.stream.stop()
+        if self.server is not None:
+            self._await(self.server.stop())
+        if self._loop is not None:
+            self._loop.close()
         self.tracker.close()
         self.client.shutdown()
         for group in (self.policy, self.ref, self.critic):

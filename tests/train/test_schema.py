@@ -208,6 +208,12 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "generator.inference_engine.weight_sync_timeout_s": (
         "generator.inference_engine.weight_sync_timeout_s=60",
     ),
+    "generator.http_endpoint.enabled": ("generator.http_endpoint.enabled=true",),
+    "generator.http_endpoint.host": ("generator.http_endpoint.host=0.0.0.0",),
+    "generator.http_endpoint.port": ("generator.http_endpoint.port=8123",),
+    "generator.http_endpoint.api_key": ("generator.http_endpoint.api_key=secret",),
+    "generator.http_endpoint.served_model_name": ("generator.http_endpoint.served_model_name=agent",),
+    "generator.http_endpoint.default_max_tokens": ("generator.http_endpoint.default_max_tokens=64",),
     "generator.env_workers": ("generator.env_workers=2",),
     "generator.max_env_failure_fraction": ("generator.max_env_failure_fraction=0.25",),
     "generator.env_failure": ("generator.env_failure=zero_reward",),
@@ -243,6 +249,7 @@ CODE = {
     "critic": ["train/workers/fsdp_worker.py"],
     "engine": ["train/inference/client.py", "train/inference/hf_engine.py", "train/inference/vllm_engine.py"],
     "rollout": ["train/generator/rollout.py"],
+    "server": ["train/inference/openai_server.py", "train/trainer.py"],
     "environment": ["train/generator/rollout.py"],
     "trainer": ["train/trainer.py"],
     "entry": ["train/__main__.py", "train/trainer.py"],
@@ -268,6 +275,8 @@ def user(key: str) -> str:
         "trainer.logprob_chunk_tokens",
     ):
         return "policy"
+    if parts[:2] == ["generator", "http_endpoint"]:
+        return "server"
     if parts[:2] == ["generator", "inference_engine"] and not parts[2].startswith("weight_sync"):
         return "engine"
     if parts[0] == "generator" and parts[1] not in (
@@ -334,6 +343,7 @@ EFFECTS = {
     "trainer.train_batch_size": lambda b: b.trainer.loader.batch_size,
     "generator.sampling.temperature": lambda b: b.workers["policy"].temperature,
     "generator.inference_engine.weight_sync": lambda b: b.trainer.weight_sync,
+    "generator.http_endpoint.enabled": lambda b: b.trainer.server is not None,
     "data.shuffle": lambda b: b.trainer.loader.shuffle,
 }
 
@@ -402,6 +412,7 @@ def build(monkeypatch, tmp_path, tiny_model_path, prompts):
         monkeypatch.setattr(trainer_module.ray, "cluster_resources", lambda: {"CPU": 8.0})
         monkeypatch.setattr(InferenceEngineClient, "from_config", from_config)
         monkeypatch.setattr(Trainer, "_pin_to_cores", lambda self: None)
+        monkeypatch.setattr(Trainer, "_serve", lambda self: setattr(self, "server", "started"))
         trainer = Trainer(cfg, tmp_path, str(tiny_model_path), (prompts, None))
         return Built(trainer, workers, sizes, bundle_cpus, engine, tuple(tracker))
 

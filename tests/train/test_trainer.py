@@ -5,8 +5,10 @@ import json
 import shlex
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import httpx
 import pytest
 import ray
 import torch
@@ -15,7 +17,7 @@ from transformers import AutoTokenizer
 from skyrl.train.config import compose_config
 from skyrl.train.dataset.preprocess import Trajectory, Turn, mask_groups
 from skyrl.train.generator.rollout import Episode
-from skyrl.train.trainer import Trainer, load_datasets, rewards_tie
+from skyrl.train.trainer import ENDPOINT_FILE, Trainer, load_datasets, rewards_tie
 from skyrl.train.utils.errors import ConfigError
 from skyrl.train.utils.tracking import read_metrics
 from skyrl.train.workers.actor_group import latest_checkpoint
@@ -400,3 +402,39 @@ def test_off_policy_correction_runs_in_the_loop_and_logs_its_weights(ray_cluster
     # on CPU the engine and the trainer agree (rho = 1), so every weight is the cap
     assert m["policy/is_weight_mean"] == pytest.approx(0.5) and m["policy/is_masked_fraction"] == 0
     assert m["policy/grad_norm"] > 0
+
+
+def test_the_run_serves_its_engines_over_http_through_weight_syncs(ray_cluster, tiny_model_path, tmp_path):
+    """generator.http_endpoint.enabled: the address is in the run directory while the run trains, and
+    a client sending requests throughout (weight syncs included) gets an answer to every one."""
+    cfg = compose_config([*SMALL, "generator.http_endpoint.enabled=true", "trainer.total_steps=3"])
+    trainer = Trainer(
+        cfg,
+        tmp_path,
+        str(tiny_model_path),
+        load_datasets(cfg, AutoTokenizer.from_pretrained(tiny_model_path)),
+    )
+    endpoint = json.loads((tmp_path / ENDPOINT_FILE).read_text())
+    assert endpoint["base_url"].startswith("http://127.0.0.1:") and endpoint["api_key"] is False
+    statuses, done = [], threading.Event()
+
+    def agent():
+        body = {
+            "model": endpoint["model"],
+            "messages": [{"role": "user", "content": "Guess."}],
+            "max_tokens": 2,
+        }
+        with httpx.Client(base_url=endpoint["base_url"], timeout=60) as http:
+            while not done.is_set():
+                statuses.append(http.post("/chat/completions", json=body).status_code)
+
+    thread = threading.Thread(target=agent)
+    thread.start()
+    try:
+        history = trainer.fit()
+    finally:
+        done.set()
+        thread.join(timeout=60)
+        trainer.shutdown()
+    assert len(history) == 3 and len(statuses) > 3
+    assert set(statuses) == {200}, statuses

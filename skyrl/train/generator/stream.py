@@ -1,8 +1,8 @@
 """Asynchronous rollouts: the next batches are generated while the workers train.
 
 With `trainer.async_training.max_staleness` s >= 1 the trainer takes its episodes from a
-`RolloutStream` instead of generating them in the step. The stream runs its own event loop on a
-background thread; every call into the engine client (generation, weight syncs, eval) runs on it.
+`RolloutStream` instead of generating them in the step. The stream runs on the trainer's
+`BackgroundLoop`, where every call into the engine client (generation, weight syncs, eval) runs.
 It draws prompt batches from the loader in order and generates each (a *draw*) as soon as the
 staleness bound allows it, so the loader order, and with it a resumed run, stays the synchronous one.
 
@@ -24,17 +24,15 @@ the new weights, their later turns recording the new version.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from skyrl.train.dataset.prompt_dataset import PromptLoader, PromptRow
 from skyrl.train.generator.rollout import Episode, GeneratorOutput, RolloutManager
-
-T = TypeVar("T")
+from skyrl.train.utils.background_loop import BackgroundLoop
 
 
 def episode_staleness(episode: Episode, policy_version: int) -> int:
@@ -82,11 +80,12 @@ class RolloutStream:
     (episodes of `n_samples_per_prompt` per prompt).
 
     `engine_version` is the engines' weight version when the stream starts. The trainer thread calls
-    `take`, `sync`, `run` and `stop`; everything else runs on the stream's loop.
+    `take`, `sync` and `stop`; everything else runs on `loop`.
     """
 
     def __init__(
         self,
+        loop: BackgroundLoop,
         rollout: RolloutManager,
         loader: PromptLoader,
         max_staleness: int,
@@ -102,16 +101,10 @@ class RolloutStream:
         self.busy = BusyClock()
         self._pending: deque[Draw] = deque()
         self._syncing = False
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="skyrl-rollouts", daemon=True)
-        self._thread.start()
+        self.run = loop.run
         self.run(self._start())
 
     # ---- called from the trainer thread ----
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run `coro` on the stream's loop and return its result (e.g. an eval pass, a weight sync)."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
     def take(self, policy_version: int) -> Draw:
         """The next draw in loader order, finished, for the step that trains at `policy_version`;
         prompt groups with an episode older than `max_staleness` are generated again first."""
@@ -123,11 +116,8 @@ class RolloutStream:
         self.run(self._sync(update, version))
 
     def stop(self) -> None:
-        """Discard every draw in progress and stop the loop (the engines may still finish requests)."""
+        """Discard every draw in progress (the engines may still finish their requests)."""
         self.run(self._cancel())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join()
-        self.loop.close()
 
     # ---- on the loop ----
     async def _start(self) -> None:
@@ -206,8 +196,7 @@ class RolloutStream:
             await self._notify()
 
     async def _cancel(self) -> None:
-        # the producer, the draws and the client's calls on their behalf
-        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        tasks = [self._producer, *(d.task for d in self._pending)]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -13,7 +13,7 @@ logger = logging.getLogger(__name__)
 
 # What error messages name settings by: the engines' section of the config tree, the endpoint's dataclass.
 ENGINE_KEY = "generator.inference_engine"
-SERVER_KEY = "OpenAIServerConfig"
+SERVER_KEY = "generator.http_endpoint"
 
 BACKENDS = ("auto", "vllm", "hf")
 DEVICES = ("auto", "cpu", "cuda")

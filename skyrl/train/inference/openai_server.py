@@ -79,6 +79,8 @@ class OpenAIServer:
 
     `start()` runs uvicorn as a task on the running event loop, the loop the
     client is used from; `stop()` shuts it down. `url` is valid after `start()`.
+    Between `pause()` and `resume()` (e.g. a weight sync, or colocated engines asleep) new requests
+    wait instead of failing.
     """
 
     def __init__(
@@ -94,6 +96,11 @@ class OpenAIServer:
         self.app = self._build_app()
         self._server: Any = None
         self._task: asyncio.Task | None = None
+        self._open = asyncio.Event()  # cleared while paused
+        self._open.set()
+        self._generating = 0
+        self._idle = asyncio.Event()  # set while no request is generating
+        self._idle.set()
         self.port: int | None = None
 
     @property
@@ -124,6 +131,16 @@ class OpenAIServer:
         if self._server is not None and self._task is not None:
             self._server.should_exit = True
             await self._task
+
+    async def pause(self) -> None:
+        """Hold new requests (they wait, they are not dropped) and return once the requests already
+        generating have finished."""
+        self._open.clear()
+        await self._idle.wait()
+
+    async def resume(self) -> None:
+        """Serve the held requests and new ones again."""
+        self._open.set()
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="skyrl inference", docs_url=None, redoc_url=None, openapi_url=None)
@@ -258,6 +275,9 @@ class OpenAIServer:
     async def _generate(
         self, prompt_ids: list[int], params: SamplingParams, n: int, session_id: str | None
     ) -> list[GenerationOutput]:
+        await self._open.wait()
+        self._generating += 1
+        self._idle.clear()
         try:
             return list(
                 await asyncio.gather(
@@ -268,6 +288,10 @@ class OpenAIServer:
             raise APIError(503, str(exc), "engine_unavailable", "server_error") from exc
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
+        finally:
+            self._generating -= 1
+            if not self._generating:
+                self._idle.set()
 
     def _text(self, out: GenerationOutput, params: SamplingParams) -> str:
         text = self.tokenizer.decode(out.response_ids, skip_special_tokens=True)

@@ -47,7 +47,7 @@ def test_invalid_engine_config_names_the_key_and_value(change, message):
 
 @pytest.mark.parametrize(
     ("change", "message"),
-    [({"port": 70000}, "OpenAIServerConfig.port=70000"), ({"api_key": ""}, "api_key='' is empty")],
+    [({"port": 70000}, "generator.http_endpoint.port=70000"), ({"api_key": ""}, "api_key='' is empty")],
 )
 def test_invalid_server_config_names_the_key_and_value(change, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

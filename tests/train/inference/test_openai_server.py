@@ -150,3 +150,19 @@ def test_server_keeps_serving_after_errors(http):
         "/v1/completions", json={"model": MODEL, "prompt": [1, 20, 21], "max_tokens": 2, "temperature": 0}
     )
     assert response.status_code == 200 and response.json()["choices"][0]["token_ids"] == [21, 21]
+
+
+def test_a_paused_server_holds_new_requests_and_serves_them_after(server, http):
+    """As during a weight sync: a request that arrives while paused waits, and is answered after."""
+    loop = server._task.get_loop()
+    asyncio.run_coroutine_threadsafe(server.pause(), loop).result(timeout=10)
+    body = {"model": MODEL, "prompt": [1, 20, 21], "max_tokens": 2, "temperature": 0}
+    answers = []
+    request = threading.Thread(target=lambda: answers.append(http.post("/v1/completions", json=body)))
+    request.start()
+    request.join(timeout=1.0)
+    assert request.is_alive() and not answers  # held, not refused
+    asyncio.run_coroutine_threadsafe(server.resume(), loop).result(timeout=10)
+    request.join(timeout=60)
+    assert answers[0].status_code == 200, answers[0].text
+    assert answers[0].json()["choices"][0]["token_ids"] == [21, 21]
