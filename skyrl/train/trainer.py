@@ -194,7 +194,7 @@ class Trainer:
     def _pin_to_cores(self) -> None:
         """Disaggregated on CPU: every engine and worker on cores of its own (`num_cpus_per_engine` x
         tensor parallel and `cpus_per_worker` each), when the node has enough (`pin_to_cores`)."""
-        self.pinned_to_cores, self._driver_cores = False, None
+        self._driver_cores: list[int] | None = None
         if self.colocated or ray.cluster_resources().get("GPU", 0) > 0:
             return
         e, p = self.cfg.generator.inference_engine, self.cfg.trainer.placement
@@ -204,8 +204,12 @@ class Trainer:
         for group in (self.policy, self.ref, self.critic):
             actors += [(worker, int(p.cpus_per_worker)) for worker in group.actors] if group else []
         self._driver_cores = pin_to_cores(actors)
-        self.pinned_to_cores = self._driver_cores is not None
         logger.info("engines and workers on cores of their own: %s", self.pinned_to_cores)
+
+    @property
+    def pinned_to_cores(self) -> bool:
+        """Whether the engines and workers run on cores of their own (`_pin_to_cores`)."""
+        return self._driver_cores is not None
 
     def _init_weight_sync(self) -> str:
         """Resolve `weight_sync` (`object_store`, `broadcast` or `ipc`) and, for `broadcast`, join policy
@@ -546,22 +550,16 @@ class Trainer:
         update: partial[Awaitable[None]]
         if self.weight_sync == "object_store":
             update = partial(self.client.update_weights, self.policy.full_state_dict_ref(), version)
-        elif self.weight_sync == "broadcast":
-            spec = self.policy.run("weight_stream_spec")[0]
-            update = partial(
-                self.client.broadcast_weights,
-                spec,
-                version,
-                lambda: self.policy.run_async("broadcast_weights"),
-            )
         else:
             spec = self.policy.run("weight_stream_spec")[0]
-            update = partial(
-                self.client.share_weights,
-                spec,
-                version,
-                lambda engines: self.policy.run_async("share_weights", engines, version),
-            )
+            if self.weight_sync == "broadcast":
+                send = partial(self.policy.run_async, "broadcast_weights")
+                update = partial(self.client.broadcast_weights, spec, version, send)
+            else:
+                hand = partial(self.policy.run_async, "share_weights")  # hand(engines, version)
+                update = partial(
+                    self.client.share_weights, spec, version, lambda engines: hand(engines, version)
+                )
         if self.server is not None:
             update = partial(self._paused, update)
         if self.stream is None:

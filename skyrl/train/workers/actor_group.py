@@ -82,23 +82,21 @@ def unpin_driver(cores: list[int]) -> None:
     _pin_driver(cores, skip=set())
 
 
-def _pin_driver(cores: list[int], skip: set[int]) -> None:
+def _pin_driver(cores: list[int], skip: set[int]) -> list[int]:
+    """Bind every thread of this process and of its descendants not in `skip` to `cores` (threads
+    started later inherit it); returns the processes' ids."""
     driver = psutil.Process()
-    for process in [driver, *driver.children(recursive=True)]:
-        if process.pid not in skip:
-            with contextlib.suppress(psutil.Error, OSError):  # e.g. a process that just exited
-                for thread in process.threads():
-                    os.sched_setaffinity(thread.id, cores)
+    processes = [p for p in [driver, *driver.children(recursive=True)] if p.pid not in skip]
+    for process in processes:
+        with contextlib.suppress(psutil.Error, OSError):  # e.g. a process that just exited
+            for thread in process.threads():
+                os.sched_setaffinity(thread.id, cores)
+    return [p.pid for p in processes]
 
 
 def _pin_threads(_actor: Any, cores: list[int]) -> list[int]:
-    """Bind every thread of this process and of its children to `cores` (threads started later
-    inherit it); returns the processes' ids."""
-    processes = [psutil.Process(), *psutil.Process().children(recursive=True)]
-    for process in processes:
-        for thread in process.threads():
-            os.sched_setaffinity(thread.id, cores)
-    return [p.pid for p in processes]
+    """`_pin_driver` inside an actor (`__ray_call__`): the actor's process and its children."""
+    return _pin_driver(cores, skip=set())
 
 
 def node_free_port() -> tuple[str, int]:
