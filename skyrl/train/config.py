@@ -166,6 +166,8 @@ def validate_config(cfg: SkyRLConfig) -> None:
     from skyrl.envs import resolve as resolve_env
     from skyrl.train.algorithms import REDUCTIONS, get_advantage_estimator, get_policy_loss
     from skyrl.train.algorithms.losses import KL_ESTIMATORS, OFF_POLICY_CORRECTIONS
+    from skyrl.train.generator.agent import load_agent
+    from skyrl.train.generator.base import load_generator_class
     from skyrl.train.inference.config import validate_engine_config, validate_server_config
     from skyrl.train.utils.tracking import BACKENDS
 
@@ -311,6 +313,25 @@ def validate_config(cfg: SkyRLConfig) -> None:
         _require(not local or Path(path).exists(), f"{key}={path!r} does not exist; give an existing file.")
     validate_engine_config(g.inference_engine)
     validate_server_config(g.http_endpoint)
+    _require(
+        g.agent is None or g.generator_class is None,
+        f"generator.agent={g.agent!r} and generator.generator_class={g.generator_class!r} both name who runs "
+        "the episodes; set one of them (or neither, for the env-based rollout manager).",
+    )
+    if g.agent is not None:
+        load_agent(g.agent)
+        _require(
+            g.agent_timeout_s > 0,
+            f"generator.agent_timeout_s={g.agent_timeout_s} must be > 0 (seconds per episode), e.g. 600.",
+        )
+        _require(
+            g.step_wise,
+            f"generator.agent={g.agent!r} with generator.step_wise=false: an agent may re-render or rewrite "
+            "its history, so its requests need not extend each other and train one sequence each; set "
+            "generator.step_wise=true.",
+        )
+    if g.generator_class is not None:
+        load_generator_class(g.generator_class)
     e, p = g.inference_engine, t.placement
     if p.colocate_all:
         bundles = p.dp_size("policy")

@@ -278,9 +278,13 @@ class GeneratorConfig:
     """The rollout manager's settings (it receives this section) and the engines' (`inference_engine`).
 
     `max_input_length` bounds an episode's whole context, `max_generate_length` one turn.
-    `env_failure`: what an episode whose environment
-    raised trains on: `mask` (its turns get loss mask 0) or `zero_reward` (reward 0,
-    trained on like any other episode).
+    `env_failure`: what an episode whose environment (or agent) raised trains on: `mask` (its turns
+    get loss mask 0) or `zero_reward` (reward 0, trained on like any other episode).
+
+    Who runs the episodes: the env-based rollout manager by default; `agent`
+    (`package.module:function`) runs the user's agent against the HTTP endpoint, one call per
+    prompt x sample, each given `agent_timeout_s`; `generator_class` (`package.module:Class`)
+    is a whole rollout system of the user's (`skyrl.train.generator.Generator`).
     """
 
     n_samples_per_prompt: int = 8
@@ -299,6 +303,9 @@ class GeneratorConfig:
     # asynchronous training: a weight sync lands while episodes are in progress, which continue on
     # the new weights (partial rollouts); off, a sync waits for them
     inflight_weight_updates: bool = False
+    agent: str | None = None
+    agent_timeout_s: float = 600.0
+    generator_class: str | None = None
 
 
 # ---------------------------------------------------------------------------

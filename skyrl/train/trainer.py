@@ -49,7 +49,9 @@ from skyrl.train.dataset.preprocess import (
     trajectories_to_sequences,
 )
 from skyrl.train.dataset.prompt_dataset import PromptDataset, PromptLoader
-from skyrl.train.generator.rollout import Episode, RolloutManager, allowed_token_ids, rollout_metrics
+from skyrl.train.generator.agent import AgentGenerator
+from skyrl.train.generator.base import build_generator, generate_checked
+from skyrl.train.generator.rollout import Episode, allowed_token_ids, rollout_metrics
 from skyrl.train.generator.stream import RolloutStream, episode_staleness
 from skyrl.train.inference import InferenceEngineClient
 from skyrl.train.inference.openai_server import OpenAIServer
@@ -129,12 +131,14 @@ class Trainer:
         self.client = self._start_engines()
         self._pin_to_cores()
         self.weight_sync = self._init_weight_sync()
-        self.rollout = RolloutManager(self.client, self.tokenizer, cfg.generator, cfg.environment)
         self._loop: BackgroundLoop | None = None  # once there is one, every engine-client call runs on it
         self.stream: RolloutStream | None = None  # max_staleness >= 1: started by the first step
         self.server: OpenAIServer | None = None
-        if cfg.generator.http_endpoint.enabled:
+        if cfg.generator.http_endpoint.enabled or cfg.generator.agent:  # an agent talks to the endpoint
             self._serve()
+        self.rollout = build_generator(
+            self.client, self.tokenizer, cfg.generator, cfg.environment, self.server
+        )
         self._loader_state = self.loader.state_dict()  # after the last batch of prompts a step took
         self._train_ended: float | None = None  # when the last step's training ended
         self.tracker = Tracker(
@@ -310,7 +314,7 @@ class Trainer:
             if t.async_training.max_staleness == 0:
                 prompts = self.loader.next_batch()
                 uids = [f"s{self.step}d{draw}p{i}" for i in range(len(prompts))]
-                out = self._await(self.rollout.agenerate(prompts, uids)).episodes
+                out = self._await(generate_checked(self.rollout, prompts, uids, n)).episodes
                 self._loader_state = self.loader.state_dict()
             else:
                 taken = self._stream().take(self.weight_version)
@@ -578,11 +582,11 @@ class Trainer:
             ("greedy", self.cfg.generator.eval_sampling, 1),
             ("sampled", self.cfg.generator.sampling, self.cfg.trainer.eval_n_samples),
         ):
-            out = self._await(
-                self.rollout.agenerate(prompts, [f"eval{i}" for i in range(len(prompts))], sampling, n)
-            )
-            metrics[f"eval/{name}/reward_mean"] = out.metrics["reward/mean"]
-            metrics[f"eval/{name}/pass@{n}"] = out.metrics[f"reward/pass@{n}"]
+            uids = [f"eval{i}" for i in range(len(prompts))]
+            out = self._await(generate_checked(self.rollout, prompts, uids, n, sampling))
+            rollout = rollout_metrics(out.episodes, n, 0.0)  # the episodes', whatever the generator reports
+            metrics[f"eval/{name}/reward_mean"] = rollout["reward/mean"]
+            metrics[f"eval/{name}/pass@{n}"] = rollout[f"reward/pass@{n}"]
         return metrics
 
     # ---- checkpoints ----
@@ -687,6 +691,8 @@ class Trainer:
             self.stream.stop()
         if self.server is not None:
             self._await(self.server.stop())
+        if isinstance(self.rollout, AgentGenerator):
+            self.rollout.close()
         if self._loop is not None:
             self._loop.close()
         self.tracker.close()
@@ -762,7 +768,7 @@ def env_failure_warning(step: int, episodes: list[Episode], env_failure: str) ->
     trained = "masked out of the loss" if env_failure == "mask" else "trained with reward 0"
     first = failed[0]
     return (
-        f"step {step}: {len(failed)} of {len(episodes)} episodes failed in their environment (their turns are "
+        f"step {step}: {len(failed)} of {len(episodes)} episodes failed in their environment or agent (their turns are "
         f"{trained}); first: {first.trajectory.trajectory_id}: {first.error}"
     )
 

@@ -38,6 +38,7 @@ def test_presets_set_their_keys(preset, key, value):
 
 
 # (overrides, the message must match) — each a different kind of mistake
+AGENT = "examples.openai_agent.agent:play"
 BAD_CONFIGS = [
     (
         ["trainer.train_batch_sise=8"],
@@ -145,6 +146,42 @@ BAD_CONFIGS = [
     (
         ["generator.env_failure=skip"],
         r"generator.env_failure='skip' is not one of \['mask', 'zero_reward'\]",
+    ),
+    (["generator.agent=my_agent"], r"generator.agent='my_agent' must be 'package.module:name'"),
+    (
+        ["generator.agent=no_such_module:run"],
+        r"generator.agent='no_such_module:run': cannot import module 'no_such_module'",
+    ),
+    (
+        ["generator.agent=tests.train.generator.user_agents:missing"],
+        r"module 'tests.train.generator.user_agents' has no attribute 'missing'",
+    ),
+    (
+        ["generator.agent=tests.train.generator.user_agents:not_a_function"],
+        r"generator.agent='tests.train.generator.user_agents:not_a_function' is 3, not a function",
+    ),
+    (
+        [f"generator.agent={AGENT}", "generator.agent_timeout_s=0"],
+        r"generator.agent_timeout_s=0.0 must be > 0",
+    ),
+    (
+        [
+            f"generator.agent={AGENT}",
+            "generator.step_wise=false",
+            "trainer.micro_train_batch_size_per_gpu=32",
+        ],
+        r"generator.agent=.* with generator.step_wise=false: .* set generator.step_wise=true",
+    ),
+    (
+        [
+            f"generator.agent={AGENT}",
+            "generator.generator_class=tests.train.generator.user_generators:OneTurn",
+        ],
+        r"generator.agent=.* and generator.generator_class=.* both name who runs the episodes",
+    ),
+    (
+        ["generator.generator_class=tests.train.generator.user_agents:chatty"],
+        r"generator.generator_class=.* is <function chatty .*>, not a class with `async def agenerate",
     ),
 ]
 

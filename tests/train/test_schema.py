@@ -13,6 +13,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from skyrl.envs import guess_number
 from skyrl.train.algorithms import AdaptiveKLController
 from skyrl.train.config import compose_config
 from skyrl.train.dataset.prompt_dataset import PromptDataset
+from skyrl.train.generator.agent import AgentGenerator
 from skyrl.train.inference import InferenceEngineClient
 from skyrl.train.schema import SkyRLConfig
 from skyrl.train.trainer import Trainer, load_datasets
@@ -45,6 +47,7 @@ def leaf_keys(cls: type = SkyRLConfig, prefix: str = "") -> list[str]:
 
 
 PPO, KL, APART = "algorithm=ppo", "trainer.algorithm.use_kl_loss=true", "placement=disaggregated"
+AGENT = "examples.openai_agent.agent:play"
 
 # key -> overrides: the first sets the key to a valid value that differs from the composed default,
 # the others make that value valid or make the component that uses it exist
@@ -222,6 +225,9 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
         "trainer.async_training.max_staleness=1",
         APART,
     ),
+    "generator.agent": (f"generator.agent={AGENT}",),
+    "generator.agent_timeout_s": ("generator.agent_timeout_s=30", f"generator.agent={AGENT}"),
+    "generator.generator_class": ("generator.generator_class=tests.train.generator.user_generators:OneTurn",),
     "environment.env_class": ("environment.env_class=calculator",),
     "environment.config": ("environment.config.guess_number.max_value=6",),
     "ray.address": ("ray.address=10.0.0.1:6379",),
@@ -248,7 +254,7 @@ CODE = {
     "ref": ["train/workers/fsdp_worker.py"],
     "critic": ["train/workers/fsdp_worker.py"],
     "engine": ["train/inference/client.py", "train/inference/hf_engine.py", "train/inference/vllm_engine.py"],
-    "rollout": ["train/generator/rollout.py"],
+    "rollout": ["train/generator/rollout.py", "train/generator/agent.py", "train/generator/base.py"],
     "server": ["train/inference/openai_server.py", "train/trainer.py"],
     "environment": ["train/generator/rollout.py"],
     "trainer": ["train/trainer.py"],
@@ -344,6 +350,10 @@ EFFECTS = {
     "generator.sampling.temperature": lambda b: b.workers["policy"].temperature,
     "generator.inference_engine.weight_sync": lambda b: b.trainer.weight_sync,
     "generator.http_endpoint.enabled": lambda b: b.trainer.server is not None,
+    "generator.agent": lambda b: f"{b.trainer.rollout.agent.__module__}:{b.trainer.rollout.agent.__name__}",
+    "generator.generator_class": lambda b: (
+        f"{type(b.trainer.rollout).__module__}:{type(b.trainer.rollout).__name__}"
+    ),
     "data.shuffle": lambda b: b.trainer.loader.shuffle,
 }
 
@@ -412,12 +422,20 @@ def build(monkeypatch, tmp_path, tiny_model_path, prompts):
         monkeypatch.setattr(trainer_module.ray, "cluster_resources", lambda: {"CPU": 8.0})
         monkeypatch.setattr(InferenceEngineClient, "from_config", from_config)
         monkeypatch.setattr(Trainer, "_pin_to_cores", lambda self: None)
-        monkeypatch.setattr(Trainer, "_serve", lambda self: setattr(self, "server", "started"))
+        served = types.SimpleNamespace(
+            url="http://127.0.0.1:1", cfg=cfg.generator.http_endpoint, model_name="m"
+        )
+        monkeypatch.setattr(Trainer, "_serve", lambda self: setattr(self, "server", served))
         trainer = Trainer(cfg, tmp_path, str(tiny_model_path), (prompts, None))
+        trainers.append(trainer)
         return Built(trainer, workers, sizes, bundle_cpus, engine, tuple(tracker))
 
+    trainers: list[Trainer] = []
     yield make
     torch.set_num_threads(threads)  # the workers set this process's threads
+    for trainer in trainers:
+        if isinstance(trainer.rollout, AgentGenerator):
+            trainer.rollout.close()  # its agents' loop
 
 
 def test_the_table_covers_every_leaf_key_of_the_schema():

@@ -385,8 +385,8 @@ def test_console_warns_of_env_failures_with_their_count_and_first_error():
     assert env_failure_warning(3, [ok, ok], "mask") is None
     line = env_failure_warning(3, [ok, *failed], "mask")
     assert line == (
-        "step 3: 2 of 3 episodes failed in their environment (their turns are masked out of the loss); "
-        "first: a/1: ValueError: bad 1"
+        "step 3: 2 of 3 episodes failed in their environment or agent (their turns are masked out of the "
+        "loss); first: a/1: ValueError: bad 1"
     )
     assert "trained with reward 0" in env_failure_warning(3, failed, "zero_reward")
 
@@ -438,3 +438,19 @@ def test_the_run_serves_its_engines_over_http_through_weight_syncs(ray_cluster, 
         trainer.shutdown()
     assert len(history) == 3 and len(statuses) > 3
     assert set(statuses) == {200}, statuses
+
+
+def test_a_generator_class_of_the_users_runs_the_episodes(ray_cluster, tiny_model_path, tmp_path):
+    """generator.generator_class: the user's rollout system (one-turn guesses straight on the engine
+    client) is what the run trains on, eval included."""
+    overrides = [
+        *SMALL,
+        "generator.generator_class=tests.train.generator.user_generators:OneTurn",
+        "trainer.total_steps=2",
+        "trainer.eval_interval=2",
+        "data.num_generated_eval_prompts=4",
+    ]
+    history = run(overrides, tmp_path, tiny_model_path)
+    assert [m["episode/turns"] for m in history] == [1.0, 1.0]  # guess_number's env would take up to 4
+    assert all(m["episode/response_tokens_max"] == 1 and m["policy/grad_norm"] > 0 for m in history)
+    assert "eval/greedy/reward_mean" in history[-1]

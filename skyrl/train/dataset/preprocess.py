@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import torch
 
@@ -206,6 +207,15 @@ def collate_sequences(sequences: Sequence[TrainingSequence], pad_token_id: int) 
         is_last_step=[s.is_last_step for s in sequences],
     )
     return batch
+
+
+def prefix_consistent(trajectory: Trajectory) -> bool:
+    """Whether each turn's context starts with the previous turn's context + response, token for token
+    (a multi-turn conversation continued as generated, not re-rendered or rewritten)."""
+    return all(
+        b.context_ids[: len(a.context_ids) + len(a.response_ids)] == a.context_ids + a.response_ids
+        for a, b in pairwise(trajectory.turns)
+    )
 
 
 def prefix_groups(sequences: Sequence[TrainingSequence]) -> list[int]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from skyrl.envs import BaseTextEnv, make
-from skyrl.train.dataset.preprocess import Trajectory, Turn
+from skyrl.train.dataset.preprocess import Trajectory, Turn, prefix_consistent
 from skyrl.train.dataset.prompt_dataset import PromptRow
 from skyrl.train.inference.engine import SamplingParams
 from skyrl.train.schema import EnvironmentConfig, GeneratorConfig, SamplingConfig
@@ -202,13 +202,7 @@ class RolloutManager:
             except ExceptionGroup as errors:
                 raise errors.exceptions[0] from None
         episodes = [task.result() for task in tasks]
-        failures = [e for e in episodes if e.stop_reason == "error"]
-        if len(failures) > self.cfg.max_env_failure_fraction * len(episodes):
-            quoted = "; ".join(f"{e.trajectory.trajectory_id}: {e.error}" for e in failures[:3])
-            raise RuntimeError(
-                f"{len(failures)} of {len(episodes)} episodes failed in their environment (more than "
-                f"generator.max_env_failure_fraction={self.cfg.max_env_failure_fraction}); first errors: {quoted}"
-            )
+        check_failures(episodes, self.cfg.max_env_failure_fraction)
         return GeneratorOutput(episodes, rollout_metrics(episodes, n, time.perf_counter() - start))
 
     async def _env_call(self, pool: ThreadPoolExecutor, fn: Any, *args: Any) -> Any:
@@ -261,10 +255,7 @@ class RolloutManager:
                 metrics,
             )
         except EnvFailure as e:  # ends this episode only, scored 0
-            for finished in turns:
-                finished.reward = 0.0
-                if self.cfg.env_failure == "mask":
-                    finished.loss_mask = [0] * len(finished.loss_mask)
+            fail_turns(turns, self.cfg.env_failure)
             return Episode(
                 Trajectory(uid, trajectory_id, turns or self._empty_turn(row)), "error", 0.0, str(e)
             )
@@ -282,8 +273,28 @@ class RolloutManager:
         return [Turn(prompt, [self.template.eos], [0.0], [0], 0.0, self.client.weight_version)]
 
 
+def fail_turns(turns: list[Turn], env_failure: str) -> None:
+    """The turns of a failed episode: reward 0, and with `env_failure="mask"` loss mask 0."""
+    for turn in turns:
+        turn.reward = 0.0
+        if env_failure == "mask":
+            turn.loss_mask = [0] * len(turn.loss_mask)
+
+
+def check_failures(episodes: list[Episode], max_fraction: float) -> None:
+    """`RuntimeError` quoting the first errors when more than `max_fraction` of the episodes failed."""
+    failures = [e for e in episodes if e.stop_reason == "error"]
+    if len(failures) > max_fraction * len(episodes):
+        quoted = "; ".join(f"{e.trajectory.trajectory_id}: {e.error}" for e in failures[:3])
+        raise RuntimeError(
+            f"{len(failures)} of {len(episodes)} episodes failed in their environment or agent (more than "
+            f"generator.max_env_failure_fraction={max_fraction}); first errors: {quoted}"
+        )
+
+
 def rollout_metrics(episodes: list[Episode], n_samples_per_prompt: int, seconds: float) -> dict[str, float]:
-    """Reward statistics, pass@n, turns, response lengths, stop reasons, env failures and metrics, timing."""
+    """Reward statistics, pass@n, turns, response lengths, stop reasons, env failures and metrics, the
+    share of trajectories whose every context extends the one before (`prefix_consistent`), timing."""
     rewards = [e.reward for e in episodes]
     groups = [rewards[i : i + n_samples_per_prompt] for i in range(0, len(rewards), n_samples_per_prompt)]
     response_tokens = [
@@ -297,6 +308,9 @@ def rollout_metrics(episodes: list[Episode], n_samples_per_prompt: int, seconds:
         "episode/response_tokens_mean": statistics.fmean(response_tokens),
         "episode/response_tokens_max": float(max(response_tokens)),
         "episode/env_failures": float(sum(e.stop_reason == "error" for e in episodes)),
+        "episode/prefix_consistent_fraction": statistics.fmean(
+            prefix_consistent(e.trajectory) for e in episodes
+        ),
         "timing/generate_s": seconds,
     }
     for reason, count in Counter(e.stop_reason for e in episodes).items():

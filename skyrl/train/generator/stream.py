@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from skyrl.train.dataset.prompt_dataset import PromptLoader, PromptRow
-from skyrl.train.generator.rollout import Episode, GeneratorOutput, RolloutManager
+from skyrl.train.generator.base import Generator, generate_checked
+from skyrl.train.generator.rollout import Episode, GeneratorOutput
 from skyrl.train.utils.background_loop import BackgroundLoop
 
 
@@ -86,7 +87,7 @@ class RolloutStream:
     def __init__(
         self,
         loop: BackgroundLoop,
-        rollout: RolloutManager,
+        rollout: Generator,
         loader: PromptLoader,
         max_staleness: int,
         inflight_weight_updates: bool,
@@ -142,11 +143,11 @@ class RolloutStream:
             finally:  # a failed producer wakes a waiting `take`, which raises its error
                 self._changed.notify_all()
 
-    async def generate(self, prompts: list[PromptRow], uids: list[str], *args: Any) -> GeneratorOutput:
-        """`RolloutManager.agenerate`, counted on the busy clock."""
+    async def generate(self, prompts: list[PromptRow], uids: list[str]) -> GeneratorOutput:
+        """The generator's episodes for `prompts`, counted on the busy clock."""
         self.busy.enter()
         try:
-            return await self.rollout.agenerate(prompts, uids, *args)
+            return await generate_checked(self.rollout, prompts, uids, self.n)
         finally:
             self.busy.exit()
 

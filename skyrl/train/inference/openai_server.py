@@ -5,7 +5,9 @@ Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`
 Beyond the OpenAI fields, requests may set `top_k` and `stop_token_ids`, the
 `X-Session-Id` header keeps a multi-turn session on one engine, and responses
 carry `prompt_token_ids` and per-choice `token_ids`, so external harnesses can
-produce token-exact rollouts. Every error is a JSON body
+produce token-exact rollouts. A trainer that runs agents against the endpoint sets a
+`SessionRecorder`, which sees (and may adjust) the requests of its sessions and records what
+they generated. Every error is a JSON body
 `{"error": {"message", "type", "code"}}` with a 4xx status (5xx only when an
 engine fails); a malformed request never takes the server down.
 """
@@ -16,7 +18,7 @@ import asyncio
 import hmac
 import time
 import uuid
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -70,6 +72,36 @@ class APIError(Exception):
         self.status, self.message, self.code, self.type = status, message, code, type_
 
 
+class SessionRecorder(Protocol):
+    """What a trainer keeps of the sessions (`X-Session-Id`) it runs through the endpoint.
+
+    `prepare` sees each request before it generates: for a session it runs it returns the prompt
+    ids and sampling parameters to generate with (a chat request comes with `messages` and
+    `prompt_ids=None`: the recorder renders them), for any other None (the request is served as
+    usual); it may raise `APIError` (e.g. 409 for a session that has ended). `record` gets what a
+    request of its session generated; `messages` is None for a completions request, `texts` are the
+    choices' texts as answered.
+    """
+
+    def prepare(
+        self,
+        session_id: str,
+        prompt_ids: list[int] | None,
+        messages: list[dict[str, str]] | None,
+        params: SamplingParams,
+        n: int,
+    ) -> tuple[list[int], SamplingParams] | None: ...
+
+    def record(
+        self,
+        session_id: str,
+        prompt_ids: list[int],
+        messages: list[dict[str, str]] | None,
+        outputs: list[GenerationOutput],
+        texts: list[str],
+    ) -> None: ...
+
+
 def _error_response(status: int, message: str, code: str | None, type_: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type_, "code": code}}, status_code=status)
 
@@ -102,6 +134,7 @@ class OpenAIServer:
         self._idle = asyncio.Event()  # set while no request is generating
         self._idle.set()
         self.port: int | None = None
+        self.recorder: SessionRecorder | None = None
 
     @property
     def url(self) -> str:
@@ -186,12 +219,14 @@ class OpenAIServer:
             else:
                 prompt_ids = body.prompt
             params = self._sampling_params(body, body.max_tokens, logprobs=body.logprobs is not None)
-            outputs = await self._generate(prompt_ids, params, body.n, request.headers.get("x-session-id"))
+            prompt_ids, outputs, texts = await self._generate(
+                prompt_ids, None, params, body.n, request.headers.get("x-session-id")
+            )
             choices = []
-            for i, out in enumerate(outputs):
+            for i, (out, text) in enumerate(zip(outputs, texts, strict=True)):
                 choice: dict[str, Any] = {
                     "index": i,
-                    "text": self._text(out, params),
+                    "text": text,
                     "finish_reason": out.stop_reason,
                     "token_ids": out.response_ids,
                     "logprobs": None,
@@ -207,21 +242,15 @@ class OpenAIServer:
         @app.post("/v1/chat/completions")
         async def chat_completions(body: ChatCompletionRequest, request: Request) -> dict:
             self._check_model(body.model)
-            try:
-                prompt_ids = self.tokenizer.apply_chat_template(
-                    [m.model_dump() for m in body.messages],
-                    add_generation_prompt=True,
-                    tokenize=True,
-                    return_dict=False,
-                )
-            except Exception as exc:  # template errors depend on the user's messages
-                raise APIError(400, f"the chat template failed on these messages: {exc}") from exc
+            messages = [m.model_dump() for m in body.messages]
             params = self._sampling_params(
                 body, body.max_completion_tokens or body.max_tokens, logprobs=body.logprobs
             )
-            outputs = await self._generate(prompt_ids, params, body.n, request.headers.get("x-session-id"))
+            prompt_ids, outputs, texts = await self._generate(
+                None, messages, params, body.n, request.headers.get("x-session-id")
+            )
             choices = []
-            for i, out in enumerate(outputs):
+            for i, (out, text) in enumerate(zip(outputs, texts, strict=True)):
                 logprobs = None
                 if out.logprobs is not None:
                     tokens = self.tokenizer.convert_ids_to_tokens(out.response_ids)
@@ -234,7 +263,7 @@ class OpenAIServer:
                 choices.append(
                     {
                         "index": i,
-                        "message": {"role": "assistant", "content": self._text(out, params)},
+                        "message": {"role": "assistant", "content": text},
                         "finish_reason": out.stop_reason,
                         "token_ids": out.response_ids,
                         "logprobs": logprobs,
@@ -272,18 +301,44 @@ class OpenAIServer:
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
 
+    def _render(self, messages: list[dict[str, str]]) -> list[int]:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except Exception as exc:  # template errors depend on the user's messages
+            raise APIError(400, f"the chat template failed on these messages: {exc}") from exc
+
     async def _generate(
-        self, prompt_ids: list[int], params: SamplingParams, n: int, session_id: str | None
-    ) -> list[GenerationOutput]:
+        self,
+        prompt_ids: list[int] | None,
+        messages: list[dict[str, str]] | None,
+        params: SamplingParams,
+        n: int,
+        session_id: str | None,
+    ) -> tuple[list[int], list[GenerationOutput], list[str]]:
+        """The prompt ids generated from (`messages` rendered when None), the `n` outputs and their
+        texts; the recorder sees the requests of its sessions before and after."""
         await self._open.wait()
         self._generating += 1
         self._idle.clear()
         try:
-            return list(
+            recorder = self.recorder if session_id is not None else None
+            prepared = recorder.prepare(session_id, prompt_ids, messages, params, n) if recorder else None
+            if prepared is not None:
+                prompt_ids, params = prepared
+            elif prompt_ids is None:
+                assert messages is not None
+                prompt_ids = self._render(messages)
+            outputs = list(
                 await asyncio.gather(
                     *(self.client.generate(prompt_ids, params, session_id) for _ in range(n))
                 )
             )
+            texts = [self._text(out, params) for out in outputs]
+            if prepared is not None:
+                recorder.record(session_id, prompt_ids, messages, outputs, texts)
+            return prompt_ids, outputs, texts
         except EngineDeadError as exc:
             raise APIError(503, str(exc), "engine_unavailable", "server_error") from exc
         except ValueError as exc:

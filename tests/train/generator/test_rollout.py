@@ -1,7 +1,6 @@
 """The rollout manager against a real tiny model behind real engine actors."""
 
 import pytest
-from transformers import AutoTokenizer
 
 from skyrl.train.dataset.preprocess import trajectories_to_sequences
 from skyrl.train.dataset.prompt_dataset import parse_rows
@@ -19,11 +18,6 @@ PROMPTS = parse_rows(
     ],
     "test",
 )
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_path):
-    return AutoTokenizer.from_pretrained(tiny_model_path)
 
 
 def start_client(backend, model_path):
