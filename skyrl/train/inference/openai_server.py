@@ -30,6 +30,10 @@ from skyrl.train.inference.config import validate_server_config
 from skyrl.train.inference.engine import GenerationOutput, SamplingParams
 from skyrl.train.schema import OpenAIServerConfig
 
+# How long an idle client connection stays open. Agents idle while the run trains; with uvicorn's
+# default (5 s) the server closed pooled connections just as clients reused them (connection errors).
+KEEP_ALIVE_S = 900
+
 
 class _SamplingRequest(BaseModel):
     model: str
@@ -146,7 +150,12 @@ class OpenAIServer:
         import uvicorn
 
         config = uvicorn.Config(
-            self.app, host=self.cfg.host, port=self.cfg.port, log_level="warning", lifespan="off"
+            self.app,
+            host=self.cfg.host,
+            port=self.cfg.port,
+            log_level="warning",
+            lifespan="off",
+            timeout_keep_alive=KEEP_ALIVE_S,
         )
         self._server = uvicorn.Server(config)
         self._task = asyncio.get_running_loop().create_task(self._server.serve())

@@ -61,6 +61,7 @@ def agent_generator(served, tokenizer):
     yield make
     for generator in made:
         generator.close()
+        assert not generator.sessions._open, "every session is closed when its episode ends"
 
 
 def run(served, generator, prompts, sampling=None):

@@ -1,7 +1,9 @@
 """The OpenAI-compatible endpoint with a real HTTP client on 127.0.0.1 and a real engine behind it."""
 
 import asyncio
+import socket
 import threading
+import time
 
 import httpx
 import pytest
@@ -166,3 +168,62 @@ def test_a_paused_server_holds_new_requests_and_serves_them_after(server, http):
     request.join(timeout=60)
     assert answers[0].status_code == 200, answers[0].text
     assert answers[0].json()["choices"][0]["token_ids"] == [21, 21]
+
+
+@pytest.mark.parametrize(
+    ("body", "text"),
+    [
+        ({"prompt": [1, 20], "max_tokens": -1}, "max_tokens"),
+        ({"prompt": [1, 20], "max_tokens": "many"}, "max_tokens"),
+        ({"prompt": [1, 20], "temperature": "hot"}, "temperature"),
+        ({"prompt": [1] * 2048, "max_tokens": 2}, "not fewer than the maximum model length 2048"),
+    ],
+    ids=["negative-max-tokens", "max-tokens-not-a-number", "temperature-not-a-number", "prompt-over-context"],
+)
+def test_out_of_range_requests_are_a_400(http, body, text):
+    assert_error(http.post("/v1/completions", json={"model": MODEL, **body}), 400, text)
+
+
+def test_a_huge_max_tokens_stops_at_the_context(http):
+    body = {"model": MODEL, "prompt": [1] * 2044, "max_tokens": 10**9, "temperature": 0}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 2048 - 2044
+
+
+def test_64_concurrent_openai_clients_are_served_and_a_wrong_key_is_refused(server):
+    """The official client, as agents use it: every concurrent request answered, a bad key a 401."""
+    import openai
+
+    async def clients():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+        messages = [{"role": "user", "content": "Guess."}]
+        replies = await asyncio.gather(
+            *(
+                client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, seed=i)
+                for i in range(64)
+            )
+        )
+        wrong = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError, match="invalid or missing API key"):
+            await wrong.chat.completions.create(model=MODEL, messages=messages, max_tokens=3)
+        with pytest.raises(openai.BadRequestError, match="max_tokens"):
+            await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=0)
+        return replies
+
+    replies = asyncio.run(clients())
+    assert len(replies) == 64 and all(1 <= r.usage.completion_tokens <= 3 for r in replies)
+    assert all(r.choices[0].finish_reason in ("stop", "length") for r in replies)
+
+
+def test_an_idle_connection_stays_open_while_the_run_trains(server):
+    """Agents' pooled connections idle through a training step; the server must not close them under
+    the clients (uvicorn's default closes them after 5 s, racing the clients' next request)."""
+    with socket.create_connection((server.cfg.host, server.port), timeout=30) as conn:
+        request = f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n\r\n".encode()
+        conn.sendall(request)
+        assert conn.recv(65536).startswith(b"HTTP/1.1 200")
+        time.sleep(6)
+        conn.sendall(request)  # the same connection, after the idle time
+        assert conn.recv(65536).startswith(b"HTTP/1.1 200")
