@@ -301,6 +301,10 @@ def validate_config(cfg: SkyRLConfig) -> None:
         "episode whose environment raised out of the loss, zero_reward trains on it with reward 0.",
     )
     _known("environment.env_class", cfg.environment.env_class, resolve_env)
+    _require(
+        cfg.environment.timeout_s > 0,
+        f"environment.timeout_s={cfg.environment.timeout_s} must be > 0 (seconds per env call), e.g. 600.",
+    )
     env = cfg.environment
     action_space = (env.config.get(env.env_class) or {}).get("allowed_tokens")
     _require(
@@ -347,6 +351,15 @@ def validate_config(cfg: SkyRLConfig) -> None:
             "the colocated engines share (trainer.placement.policy_num_nodes x policy_num_gpus_per_node); "
             f"use num_engines<={bundles} or placement=disaggregated.",
         )
+    _require(
+        t.max_consecutive_skipped_steps >= 0,
+        f"trainer.max_consecutive_skipped_steps={t.max_consecutive_skipped_steps} must be >= 0 (0: stop at the "
+        "first non-finite step), e.g. 5.",
+    )
+    _require(
+        t.rpc_timeout_s > 0,
+        f"trainer.rpc_timeout_s={t.rpc_timeout_s} must be > 0 (seconds a worker call may take), e.g. 1800.",
+    )
     staleness = t.async_training.max_staleness
     _require(
         staleness >= 0,

@@ -189,6 +189,9 @@ class TrainerConfig:
     max_ckpts_to_keep: int = 2
     resume_mode: str = "latest"  # latest | none | a checkpoint path
     hf_save_interval: int = 0  # steps between HF exports; the final policy is always exported
+    # optimizer steps with a non-finite loss or gradient are skipped; more than this many in a row end the run
+    max_consecutive_skipped_steps: int = 5
+    rpc_timeout_s: float = 1800.0  # the longest a call into the workers may take (a step, a checkpoint)
 
     def optimizer_steps(self, mini_batch_size: int) -> int:
         """Optimizer steps of the whole run for a model trained on `mini_batch_size`-prompt mini-batches;
@@ -329,6 +332,7 @@ class EnvironmentConfig:
             "math": {},
         }
     )
+    timeout_s: float = 600.0  # per env call (constructor, init, step, close); past it the episode fails
 
 
 @dataclass

@@ -106,6 +106,7 @@ class Trainer:
         self._staged: dict[tuple, list[StagedMiniBatch]] = {}  # this step's staged mini-batches
         self._dispatch_bytes = 0
         self._tied_steps = 0  # consecutive steps in which every group's rewards tied
+        self._skipped_in_a_row = {"policy": 0, "critic": 0}  # optimizer steps skipped (non-finite), in a row
         self._placement_groups: list[Any] = []
         random.seed(t.seed)
         np.random.seed(t.seed)
@@ -540,6 +541,10 @@ class Trainer:
             if critic is not None:
                 critic_history += self.critic.train(critic)
             history += self.policy.train(policy)
+        for role, steps in (("policy", history), ("critic", critic_history)):
+            self._skipped_in_a_row[role] = skipped_in_a_row(
+                self._skipped_in_a_row[role], steps, role, t.max_consecutive_skipped_steps
+            )
         metrics = {f"policy/{k}": v for k, v in combine_optimizer_steps(history).items()}
         if critic_history:
             metrics |= {f"critic/{k}": v for k, v in combine_optimizer_steps(critic_history).items()}
@@ -725,7 +730,8 @@ def _timer(timings: dict[str, float], name: str) -> Iterator[None]:
 
 def combine_optimizer_steps(history: list[dict[str, float]]) -> dict[str, float]:
     """A step's training metrics from those of its optimizer steps (each over its whole mini-batch):
-    `loss`, `grad_norm` and `lr` averaged over the steps, `loss_tokens` summed, `*_max` / `*_min` the
+    `loss`, `grad_norm` and `lr` averaged over the steps, `loss_tokens` and `skipped_steps` summed,
+    `*_max` / `*_min` the
     extreme over the steps that had loss tokens, any other statistic weighted by each step's loss tokens
     (0 when no step had any), so neither a mini-batch without loss tokens nor the number of mini-batches
     changes them. Adds `optimizer_steps`."""
@@ -736,8 +742,8 @@ def combine_optimizer_steps(history: list[dict[str, float]]) -> dict[str, float]
         values = [h[key] for h in history]
         if key in ("loss", "grad_norm", "lr"):
             combined[key] = float(np.mean(values))
-        elif key == "loss_tokens":
-            combined[key] = float(total)
+        elif key in ("loss_tokens", "skipped_steps"):
+            combined[key] = float(sum(values))
         elif key.endswith(("_max", "_min")):
             live = [v for v, n in zip(values, tokens, strict=True) if n > 0]
             combined[key] = float((max if key.endswith("_max") else min)(live)) if live else 0.0
@@ -745,6 +751,21 @@ def combine_optimizer_steps(history: list[dict[str, float]]) -> dict[str, float]
             combined[key] = sum(v * n for v, n in zip(values, tokens, strict=True)) / total if total else 0.0
     combined["optimizer_steps"] = float(len(history))
     return combined
+
+
+def skipped_in_a_row(before: int, steps: list[dict[str, float]], role: str, limit: int) -> int:
+    """Optimizer steps of `role` skipped in a row (non-finite loss or gradient) after `steps`, counting on
+    from `before`; `RuntimeError` once more than `limit` (`trainer.max_consecutive_skipped_steps`) were."""
+    count = before
+    for step in steps:
+        count = count + 1 if step["skipped_steps"] else 0
+        if count > limit:
+            raise RuntimeError(
+                f"{count} {role} optimizer steps in a row had a non-finite loss or gradient and were skipped "
+                f"(more than trainer.max_consecutive_skipped_steps={limit}); the weights are those of the last "
+                "finite step. Look for inf/NaN in rewards or advantages, or lower the learning rate."
+            )
+    return count
 
 
 def tied_rewards_warning(tied_steps: int) -> str | None:

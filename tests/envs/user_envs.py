@@ -1,5 +1,7 @@
 """Environments defined outside skyrl, referenced as 'tests.envs.user_envs:Class'."""
 
+import threading
+
 from skyrl.envs import BaseTextEnv, BaseTextEnvStepOutput
 
 
@@ -34,4 +36,18 @@ class FlakyEnv(ChattyEnv):
     def step(self, action: str) -> BaseTextEnvStepOutput:
         if self.extras.get("fail") and self.turns == 1:
             raise RuntimeError("simulated env crash")
+        return super().step(action)
+
+
+RELEASE = threading.Event()  # wakes HangingEnv's blocked steps
+FINISHED: list[str] = []  # the blocked steps that returned
+
+
+class HangingEnv(ChattyEnv):
+    """A ChattyEnv whose steps block (up to 30 s, until `RELEASE`) when the row's `hang` column is true."""
+
+    def step(self, action: str) -> BaseTextEnvStepOutput:
+        if self.extras.get("hang"):
+            RELEASE.wait(30)
+            FINISHED.append(action)
         return super().step(action)

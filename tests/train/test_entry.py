@@ -147,6 +147,12 @@ BAD_CONFIGS = [
         ["generator.env_failure=skip"],
         r"generator.env_failure='skip' is not one of \['mask', 'zero_reward'\]",
     ),
+    (
+        ["trainer.max_consecutive_skipped_steps=-1"],
+        r"trainer.max_consecutive_skipped_steps=-1 must be >= 0",
+    ),
+    (["environment.timeout_s=0"], r"environment.timeout_s=0.0 must be > 0"),
+    (["trainer.rpc_timeout_s=-5"], r"trainer.rpc_timeout_s=-5.0 must be > 0"),
     (["generator.agent=my_agent"], r"generator.agent='my_agent' must be 'package.module:name'"),
     (
         ["generator.agent=no_such_module:run"],

@@ -166,6 +166,8 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "trainer.max_ckpts_to_keep": ("trainer.max_ckpts_to_keep=3",),
     "trainer.resume_mode": ("trainer.resume_mode=none",),
     "trainer.hf_save_interval": ("trainer.hf_save_interval=5",),
+    "trainer.max_consecutive_skipped_steps": ("trainer.max_consecutive_skipped_steps=2",),
+    "trainer.rpc_timeout_s": ("trainer.rpc_timeout_s=60",),
     "generator.n_samples_per_prompt": ("generator.n_samples_per_prompt=4",),
     "generator.max_turns": ("generator.max_turns=2",),
     "generator.max_input_length": ("generator.max_input_length=300",),
@@ -230,6 +232,7 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "generator.generator_class": ("generator.generator_class=tests.train.generator.user_generators:OneTurn",),
     "environment.env_class": ("environment.env_class=calculator",),
     "environment.config": ("environment.config.guess_number.max_value=6",),
+    "environment.timeout_s": ("environment.timeout_s=30",),
     "ray.address": ("ray.address=10.0.0.1:6379",),
     "ray.num_cpus": ("ray.num_cpus=3",),
 }
@@ -257,7 +260,7 @@ CODE = {
     "rollout": ["train/generator/rollout.py", "train/generator/agent.py", "train/generator/base.py"],
     "server": ["train/inference/openai_server.py", "train/trainer.py"],
     "environment": ["train/generator/rollout.py"],
-    "trainer": ["train/trainer.py"],
+    "trainer": ["train/trainer.py", "train/workers/actor_group.py"],
     "entry": ["train/__main__.py", "train/trainer.py"],
 }
 

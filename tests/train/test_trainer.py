@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from skyrl.train.config import compose_config
 from skyrl.train.dataset.preprocess import Trajectory, Turn, mask_groups
 from skyrl.train.generator.rollout import Episode
-from skyrl.train.trainer import ENDPOINT_FILE, Trainer, load_datasets, rewards_tie
+from skyrl.train.trainer import ENDPOINT_FILE, Trainer, load_datasets, rewards_tie, skipped_in_a_row
 from skyrl.train.utils.errors import ConfigError
 from skyrl.train.utils.tracking import read_metrics
 from skyrl.train.workers.actor_group import latest_checkpoint
@@ -454,3 +454,13 @@ def test_a_generator_class_of_the_users_runs_the_episodes(ray_cluster, tiny_mode
     assert [m["episode/turns"] for m in history] == [1.0, 1.0]  # guess_number's env would take up to 4
     assert all(m["episode/response_tokens_max"] == 1 and m["policy/grad_norm"] > 0 for m in history)
     assert "eval/greedy/reward_mean" in history[-1]
+
+
+def test_skipped_optimizer_steps_in_a_row_end_the_run_past_the_limit():
+    steps = [{"skipped_steps": s} for s in (1.0, 0.0, 1.0, 1.0)]
+    assert skipped_in_a_row(0, steps, "policy", 2) == 2
+    assert skipped_in_a_row(2, [{"skipped_steps": 0.0}], "policy", 2) == 0
+    with pytest.raises(
+        RuntimeError, match=r"3 critic optimizer steps in a row .*max_consecutive_skipped_steps=2"
+    ):
+        skipped_in_a_row(2, [{"skipped_steps": 1.0}], "critic", 2)

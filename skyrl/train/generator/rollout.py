@@ -8,8 +8,9 @@ the chat-template delta of the appended messages (generation prompt included):
     context_{k+1} = context_k + response_k (the engine's own ids) + observation_k
 
 Observation tokens are never trained on (loss mask 0); the response keeps the
-engine's token ids, never re-tokenised. An env that raises ends only its episode
-(reward 0, error recorded, counted in `episode/env_failures`); with
+engine's token ids, never re-tokenised. An env that raises, or whose call does not return within
+`environment.timeout_s`, ends only its episode (reward 0, error recorded, counted in
+`episode/env_failures`); with
 `generator.env_failure=mask` (the default) its turns also get loss mask 0, so the
 policy is not trained on the environment's bug. The batch fails only above
 `max_env_failure_fraction`.
@@ -190,27 +191,38 @@ class RolloutManager:
         sampling = sampling or self.cfg.sampling
         n = n_samples_per_prompt or self.cfg.n_samples_per_prompt
         start = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=self.cfg.env_workers, thread_name_prefix="skyrl-env") as pool:
+        # not a `with` block: an env call stuck past its timeout must not hold up the batch
+        pool = ThreadPoolExecutor(max_workers=self.cfg.env_workers, thread_name_prefix="skyrl-env")
+        try:
             # a TaskGroup cancels and awaits every episode if one raises (e.g. a dead engine)
-            try:
-                async with asyncio.TaskGroup() as group:
-                    tasks = [
-                        group.create_task(self._episode(row, uid, f"{uid}/{s}", pool, sampling))
-                        for row, uid in zip(prompts, uids, strict=True)
-                        for s in range(n)
-                    ]
-            except ExceptionGroup as errors:
-                raise errors.exceptions[0] from None
+            async with asyncio.TaskGroup() as group:
+                tasks = [
+                    group.create_task(self._episode(row, uid, f"{uid}/{s}", pool, sampling))
+                    for row, uid in zip(prompts, uids, strict=True)
+                    for s in range(n)
+                ]
+        except ExceptionGroup as errors:
+            raise errors.exceptions[0] from None
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
         episodes = [task.result() for task in tasks]
         check_failures(episodes, self.cfg.max_env_failure_fraction)
         return GeneratorOutput(episodes, rollout_metrics(episodes, n, time.perf_counter() - start))
 
     async def _env_call(self, pool: ThreadPoolExecutor, fn: Any, *args: Any) -> Any:
-        """`fn(*args)` in the env thread pool; anything it raises becomes an `EnvFailure`."""
+        """`fn(*args)` in the env thread pool; anything it raises, and not returning within
+        `environment.timeout_s`, becomes an `EnvFailure` (the stuck thread is left behind)."""
+        name = getattr(fn, "__qualname__", fn)
+        deadline = asyncio.timeout(self.env.timeout_s)
         try:
-            return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+            async with deadline:
+                return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
         except Exception as e:
-            raise EnvFailure(f"{getattr(fn, '__qualname__', fn)} raised {type(e).__name__}: {e}") from e
+            if deadline.expired():
+                raise EnvFailure(
+                    f"{name} did not return within environment.timeout_s={self.env.timeout_s}"
+                ) from e
+            raise EnvFailure(f"{name} raised {type(e).__name__}: {e}") from e
 
     async def _episode(
         self, row: PromptRow, uid: str, trajectory_id: str, pool: ThreadPoolExecutor, sampling: SamplingConfig

@@ -112,6 +112,8 @@ class ActorGroup:
     Each is `worker_cls(cfg, rank, num_workers, model_path, **worker_kwargs)` (`cfg` the
     `trainer` section). `resource_fraction` of each bundle's CPU/GPU goes to each actor
     (1.0: the bundle is theirs; 0.5: another group can be colocated on the same bundles).
+    Every blocking call waits at most `cfg.rpc_timeout_s`; past it the error names the role, the
+    method and the ranks that did not answer.
     """
 
     def __init__(
@@ -123,10 +125,9 @@ class ActorGroup:
         pg: PlacementGroup,
         bundle_offset: int = 0,
         resource_fraction: float = 1.0,
-        timeout_s: float = 300,
         **worker_kwargs: Any,
     ):
-        self.num_workers, self.timeout_s = num_workers, timeout_s
+        self.num_workers, self.timeout_s, self.role = num_workers, cfg.rpc_timeout_s, worker_cls.role
         bundle = pg.bundle_specs[bundle_offset]
         remote_cls = ray.remote(worker_cls)
         self.actors = [
@@ -144,20 +145,27 @@ class ActorGroup:
 
     def rank0_free_port(self) -> tuple[str, int]:
         """An address and a free port on rank 0's node, for a rendezvous hosted by rank 0."""
-        return self._get(self.actors[0].__ray_call__.remote(lambda _: node_free_port()))
+        return self._get([self.actors[0].__ray_call__.remote(lambda _: node_free_port())], "rendezvous")[0]
 
-    def _get(self, refs: Any) -> Any:
-        try:
-            return ray.get(refs, timeout=self.timeout_s)
-        except GetTimeoutError as e:
+    def _wait(self, refs: list[ray.ObjectRef], method: str) -> None:
+        """Wait for `refs` (ref i from rank i) without fetching them; `RuntimeError` naming the role,
+        `method` and the ranks still running once `rpc_timeout_s` passed."""
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s, fetch_local=False)
+        if pending:
+            late = [rank for rank, ref in enumerate(refs) if ref in pending]
             raise RuntimeError(
-                f"workers did not answer within {self.timeout_s:.0f} s (free resources: "
-                f"{ray.available_resources()}); an actor may be waiting for resources or a collective hung"
-            ) from e
+                f"{self.role} worker rank(s) {late} did not finish {method} within trainer.rpc_timeout_s="
+                f"{self.timeout_s:g} s (free resources: {ray.available_resources()}); an actor may be waiting "
+                "for resources or a collective hung"
+            )
+
+    def _get(self, refs: list[ray.ObjectRef], method: str) -> list[Any]:
+        self._wait(refs, method)
+        return ray.get(refs)
 
     def run(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call `method(*args, **kwargs)` on every rank and wait for all results."""
-        return self._get([getattr(actor, method).remote(*args, **kwargs) for actor in self.actors])
+        return self._get([getattr(actor, method).remote(*args, **kwargs) for actor in self.actors], method)
 
     def run_async(self, method: str, *args: Any) -> Awaitable[list[Any]]:
         """Start `method(*args)` on every rank now; await the result for all ranks (no timeout: for
@@ -187,7 +195,8 @@ class ActorGroup:
             [
                 getattr(actor, method).remote(*mini.refs(rank), **extra)
                 for rank, actor in enumerate(self.actors)
-            ]
+            ],
+            method,
         )
 
     def forward(self, staged: Sequence[StagedMiniBatch]) -> TrainingInputBatch:
@@ -210,10 +219,7 @@ class ActorGroup:
     def full_state_dict_ref(self) -> ray.ObjectRef:
         """Rank 0's full state dict, left in the object store (engines fetch it without a driver copy)."""
         refs = [actor.full_state_dict.remote() for actor in self.actors]
-        self._get(refs[1:])  # a collective: every rank must finish
-        ready, _ = ray.wait(refs[:1], timeout=self.timeout_s, fetch_local=False)
-        if not ready:
-            self._get(refs[:1])  # raises the timeout error with the free resources named
+        self._wait(refs, "full_state_dict")  # a collective: every rank must finish
         return refs[0]
 
     def kill(self) -> None:

@@ -510,6 +510,8 @@ class TrainableWorker(FSDPWorker, abc.ABC):
         micro-batch of every rank: `loss` is the mini-batch loss, means are weighted
         by loss tokens, extremes reduced with max / min, so none depends on the DP or
         micro-batch size. Gradients are kept until the next call (see `gradient_vector`).
+        A non-finite loss or gradient norm skips the step: weights, optimizer state, LR schedule and
+        `global_step` stay as they were, and `skipped_steps` is 1.
         """
         data = self._own_part(TrainingInputBatch.merge(parts), dp_size, balance, cost_weight)
         self.model.train()
@@ -534,10 +536,17 @@ class TrainableWorker(FSDPWorker, abc.ABC):
         )
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        self.optimizer.step()
-        self.scheduler.step()
-        self.global_step += 1
-        return {**totals.all_reduce(), "grad_norm": grad_norm.item(), "lr": self.scheduler.get_last_lr()[0]}
+        metrics = {**totals.all_reduce(), "grad_norm": grad_norm.item()}
+        skip = not (
+            math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
+        )  # same on every rank
+        if skip:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.global_step += 1
+        return {**metrics, "lr": self.scheduler.get_last_lr()[0], "skipped_steps": float(skip)}
 
     def gradient_vector(self) -> torch.Tensor | None:
         """The full flattened gradient of the last mini-batch on rank 0 (collective; None elsewhere)."""

@@ -8,6 +8,7 @@ from skyrl.train.generator.rollout import ChatTemplateDelta, RolloutManager, all
 from skyrl.train.inference import InferenceEngineClient, InferenceEngineConfig
 from skyrl.train.schema import EnvironmentConfig, GeneratorConfig
 from skyrl.train.utils.errors import ConfigError
+from tests.envs import user_envs
 
 CHATTY = "tests.envs.user_envs:ChattyEnv"
 FLAKY = "tests.envs.user_envs:FlakyEnv"
@@ -119,6 +120,24 @@ def test_a_crashing_env_fails_its_episode_only(hf_client, tokenizer, mode):
     sequences = trajectories_to_sequences(out.trajectories, step_wise=True)
     trained = {s.trajectory_id for s in sequences if any(s.loss_mask)}
     assert trained == {e.trajectory.trajectory_id for e in (good if mode == "mask" else out.episodes)}
+
+
+def test_an_env_call_past_its_timeout_fails_its_episode_and_does_not_hold_up_the_batch(hf_client, tokenizer):
+    rows = parse_rows([{"prompt": "Go.", "hang": True}, {"prompt": "Go."}], "test")
+    hanging = "tests.envs.user_envs:HangingEnv"
+    env = EnvironmentConfig(hanging, {hanging: {"turns": 2}}, timeout_s=1.0)
+    cfg = GeneratorConfig(
+        n_samples_per_prompt=1, max_turns=2, max_generate_length=4, max_env_failure_fraction=0.5
+    )
+    user_envs.RELEASE.clear()
+    try:
+        hung, fine = RolloutManager(hf_client, tokenizer, cfg, env).generate(rows).episodes
+        assert not user_envs.FINISHED  # the batch did not wait for the stuck call
+    finally:
+        user_envs.RELEASE.set()
+    assert hung.stop_reason == "error" and "did not return within environment.timeout_s=1.0" in hung.error
+    assert all(not any(t.loss_mask) for t in hung.trajectory.turns)
+    assert fine.stop_reason == "done" and fine.reward == 1.0
 
 
 def test_too_many_env_failures_fail_the_step_quoting_the_error(hf_client, tokenizer):

@@ -1,5 +1,8 @@
 """Real Ray actors, real gloo process groups, FSDP2 on the tiny model."""
 
+import math
+import time
+
 import pytest
 import ray
 import torch
@@ -175,6 +178,50 @@ def test_checkpoint_round_trip_resumes_exactly_and_skips_half_written(policy_dp2
     assert resumed["grad_norm"] == pytest.approx(uninterrupted["grad_norm"], rel=1e-6)
     for name, tensor in expected.items():
         torch.testing.assert_close(actual[name], tensor, rtol=1e-6, atol=1e-7)
+
+
+def optimizer_state(group):
+    """Rank 0's AdamW state (its shards), copied."""
+
+    def copy(worker):
+        return {
+            (i, k): (v.to_local() if hasattr(v, "to_local") else v).clone()
+            for i, state in worker.optimizer.state_dict()["state"].items()
+            for k, v in state.items()
+        }
+
+    return ray.get(group.actors[0].__ray_call__.remote(copy))
+
+
+def test_a_non_finite_loss_skips_the_optimizer_step_and_changes_nothing(policy_dp2):
+    policy_dp2.run("init_model")
+    batch, bounds = stepwise_batch(512)
+    batch["old_logprobs"] = policy_dp2.forward(policy_dp2.stage(batch, bounds))["logprobs"]
+    (finite,) = policy_dp2.train(policy_dp2.stage(batch, bounds[:1]))  # the optimizer has state now
+    assert finite["skipped_steps"] == 0
+    weights, moments, step = (
+        policy_dp2.full_state_dict(),
+        optimizer_state(policy_dp2),
+        global_step(policy_dp2),
+    )
+    poisoned = batch["advantages"].clone()
+    poisoned[batch["loss_mask"].bool().nonzero()[0].tolist()] = float("nan")  # one loss token of row 0
+    batch["advantages"] = poisoned
+    (skipped,) = policy_dp2.train(policy_dp2.stage(batch, bounds[:1]))
+    assert skipped["skipped_steps"] == 1 and not math.isfinite(skipped["loss"])
+    assert global_step(policy_dp2) == step
+    for name, tensor in policy_dp2.full_state_dict().items():
+        assert torch.equal(tensor, weights[name]), name
+    after = optimizer_state(policy_dp2)
+    assert after.keys() == moments.keys() and all(torch.equal(after[k], moments[k]) for k in moments)
+
+
+def test_a_call_past_rpc_timeout_names_the_role_the_method_and_the_late_rank(policy_dp2, monkeypatch):
+    monkeypatch.setattr(policy_dp2, "timeout_s", 1.0)
+    with pytest.raises(
+        RuntimeError, match=r"policy worker rank\(s\) \[1\] did not finish __ray_call__ within "
+    ):
+        policy_dp2.run("__ray_call__", lambda worker: time.sleep(3) if worker.rank == 1 else None)
 
 
 def test_loading_an_incomplete_checkpoint_is_refused(policy_dp2, tmp_path):
