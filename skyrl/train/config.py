@@ -318,6 +318,10 @@ def validate_config(cfg: SkyRLConfig) -> None:
     validate_engine_config(g.inference_engine)
     validate_server_config(g.http_endpoint)
     _require(
+        g.max_engine_restarts >= 0,
+        f"generator.max_engine_restarts={g.max_engine_restarts} must be >= 0 (0: a dead engine ends the run), e.g. 3.",
+    )
+    _require(
         g.agent is None or g.generator_class is None,
         f"generator.agent={g.agent!r} and generator.generator_class={g.generator_class!r} both name who runs "
         "the episodes; set one of them (or neither, for the env-based rollout manager).",

@@ -306,6 +306,9 @@ class GeneratorConfig:
     # asynchronous training: a weight sync lands while episodes are in progress, which continue on
     # the new weights (partial rollouts); off, a sync waits for them
     inflight_weight_updates: bool = False
+    max_engine_restarts: int = (
+        3  # dead engines restarted (with the current weights) per run, requests re-issued
+    )
     agent: str | None = None
     agent_timeout_s: float = 600.0
     generator_class: str | None = None

@@ -184,17 +184,20 @@ class Trainer:
 
     def _start_engines(self) -> InferenceEngineClient:
         """The inference engines; colocated, engine i takes a fraction of the policy's bundle i and sleeps
-        (freeing its GPU memory) while the workers train."""
-        e = self.cfg.generator.inference_engine
+        (freeing its GPU memory) while the workers train. A dead engine is restarted up to
+        `generator.max_engine_restarts` times per run."""
+        e, restarts = self.cfg.generator.inference_engine, self.cfg.generator.max_engine_restarts
         if not self.colocated:
-            return InferenceEngineClient.from_config(e, self.model_path)
+            return InferenceEngineClient.from_config(e, self.model_path, max_restarts=restarts)
         strategies = [
             PlacementGroupSchedulingStrategy(placement_group=self._shared_pg, placement_group_bundle_index=i)
             for i in range(e.num_engines)
         ]
         if self._engine_resources["num_gpus"]:
             e = replace(e, enable_sleep_mode=True)
-        return InferenceEngineClient.from_config(e, self.model_path, strategies, self._engine_resources)
+        return InferenceEngineClient.from_config(
+            e, self.model_path, strategies, self._engine_resources, max_restarts=restarts
+        )
 
     def _pin_to_cores(self) -> None:
         """Disaggregated on CPU: every engine and worker on cores of its own (`num_cpus_per_engine` x
@@ -287,6 +290,7 @@ class Trainer:
             "batch/sequences": float(len(batch)),
             "batch/pad_fraction": pad_fraction(policy_bounds, self.policy.num_workers),
             "dispatch/object_store_bytes": float(self._dispatch_bytes),
+            "engine/restarts": float(self.client.restarts),
             **layout_metrics(
                 batch["prefix_group"], batch["attention_mask"], batch.metadata["trajectory_ids"]
             ),

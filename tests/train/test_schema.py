@@ -227,6 +227,7 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
         "trainer.async_training.max_staleness=1",
         APART,
     ),
+    "generator.max_engine_restarts": ("generator.max_engine_restarts=1",),
     "generator.agent": (f"generator.agent={AGENT}",),
     "generator.agent_timeout_s": ("generator.agent_timeout_s=30", f"generator.agent={AGENT}"),
     "generator.generator_class": ("generator.generator_class=tests.train.generator.user_generators:OneTurn",),
@@ -292,6 +293,7 @@ def user(key: str) -> str:
         "step_wise",
         "inference_engine",
         "inflight_weight_updates",
+        "max_engine_restarts",
     ):
         return "rollout"
     return "trainer"
@@ -353,6 +355,7 @@ EFFECTS = {
     "generator.sampling.temperature": lambda b: b.workers["policy"].temperature,
     "generator.inference_engine.weight_sync": lambda b: b.trainer.weight_sync,
     "generator.http_endpoint.enabled": lambda b: b.trainer.server is not None,
+    "generator.max_engine_restarts": lambda b: b.engine["max_restarts"],
     "generator.agent": lambda b: f"{b.trainer.rollout.agent.__module__}:{b.trainer.rollout.agent.__name__}",
     "generator.generator_class": lambda b: (
         f"{type(b.trainer.rollout).__module__}:{type(b.trainer.rollout).__name__}"
@@ -415,8 +418,8 @@ def build(monkeypatch, tmp_path, tiny_model_path, prompts):
         def placement_group(n, cpus_per_bundle, gpus_per_bundle):
             bundle_cpus.append(cpus_per_bundle)
 
-        def from_config(cfg, model_path, strategies=None, resources=None):
-            engine.update(cfg=cfg, strategies=strategies, resources=resources)
+        def from_config(cfg, model_path, strategies=None, resources=None, max_restarts=0):
+            engine.update(cfg=cfg, strategies=strategies, resources=resources, max_restarts=max_restarts)
 
         monkeypatch.setattr(trainer_module, "ActorGroup", actor_group)
         monkeypatch.setattr(trainer_module, "create_placement_group", placement_group)

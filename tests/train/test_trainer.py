@@ -464,3 +464,25 @@ def test_skipped_optimizer_steps_in_a_row_end_the_run_past_the_limit():
         RuntimeError, match=r"3 critic optimizer steps in a row .*max_consecutive_skipped_steps=2"
     ):
         skipped_in_a_row(2, [{"skipped_steps": 1.0}], "critic", 2)
+
+
+def test_a_run_survives_a_dead_engine(ray_cluster, tiny_model_path, tmp_path):
+    """An engine killed between steps is restarted with the current weights when the next step's
+    requests find it dead; they are issued again and the step trains as usual."""
+    cfg = compose_config([*SMALL, "trainer.total_steps=2", "generator.max_engine_restarts=1"])
+    trainer = Trainer(
+        cfg,
+        tmp_path,
+        str(tiny_model_path),
+        load_datasets(cfg, AutoTokenizer.from_pretrained(tiny_model_path)),
+    )
+    try:
+        first = trainer.train_step()
+        ray.kill(trainer.client.engines[0])
+        second = trainer.train_step()
+        versions = [h.weight_version for h in asyncio.run(trainer.client.health())]
+    finally:
+        trainer.shutdown()
+    assert (first["engine/restarts"], second["engine/restarts"]) == (0.0, 1.0)
+    assert second["episode/env_failures"] == 0 and second["policy/grad_norm"] > 0
+    assert versions == [2]  # restarted with step 1's weights, then step 2's sync reached it

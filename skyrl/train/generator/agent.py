@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import itertools
+import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +54,8 @@ from skyrl.train.schema import EnvironmentConfig, GeneratorConfig, SamplingConfi
 from skyrl.train.utils.background_loop import BackgroundLoop
 from skyrl.train.utils.errors import ConfigError
 from skyrl.train.utils.imports import load_entry_point
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -259,6 +262,13 @@ class AgentGenerator:
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
         check_failures(episodes, self.cfg.max_env_failure_fraction)
+        if all(e.stop_reason == "empty" for e in episodes):
+            logger.warning(
+                "generator.agent=%s made no request in any of its %d sessions, so nothing trains; send "
+                "client_info.headers (the X-Session-Id header) with every request to client_info.base_url",
+                self.cfg.agent,
+                len(episodes),
+            )
         return GeneratorOutput(episodes, rollout_metrics(episodes, n, time.perf_counter() - start))
 
     async def _episode(

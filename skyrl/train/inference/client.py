@@ -98,6 +98,7 @@ class InferenceEngineClient:
         engine_factory: Callable[[int], ActorHandle] | None = None,
         max_sessions: int = 100_000,
         ranks_per_engine: int = 1,
+        max_restarts: int = 0,
     ) -> None:
         assert engines, "a client needs at least one engine"
         self._engines = list(engines)
@@ -113,6 +114,11 @@ class InferenceEngineClient:
         self._latest_weights: ray.ObjectRef | None = None
         self._ranks_per_engine = ranks_per_engine
         self._in_sync_group = False
+        self.max_restarts = (
+            max_restarts  # dead engines `generate` restarts itself (generator.max_engine_restarts)
+        )
+        self.restarts = 0
+        self._restart_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
 
     @classmethod
     def from_config(
@@ -121,11 +127,12 @@ class InferenceEngineClient:
         model_path: str,
         scheduling_strategies: Sequence[Any] | None = None,
         resources: Mapping[str, float] | None = None,
+        max_restarts: int = 0,
     ) -> InferenceEngineClient:
         """Start `cfg.num_engines` engine actors, wait until they serve, and return a client that can restart them.
 
         `scheduling_strategies[i]` (e.g. a placement group bundle) places engine i; `resources` as in
-        `create_engine`.
+        `create_engine`; `max_restarts` dead engines are restarted by `generate` itself.
         """
         cfg = resolve_engine_config(cfg)
         strategies = list(scheduling_strategies or [None] * cfg.num_engines)
@@ -144,7 +151,13 @@ class InferenceEngineClient:
             cfg.tensor_parallel_size,
             model_path,
         )
-        return cls(engines, cfg.max_concurrent_requests, factory, ranks_per_engine=cfg.tensor_parallel_size)
+        return cls(
+            engines,
+            cfg.max_concurrent_requests,
+            factory,
+            ranks_per_engine=cfg.tensor_parallel_size,
+            max_restarts=max_restarts,
+        )
 
     @property
     def num_engines(self) -> int:
@@ -197,15 +210,48 @@ class InferenceEngineClient:
     async def generate(
         self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, session_id: str | None = None
     ) -> GenerationOutput:
-        """Generate on one engine (sticky per `session_id`); waits while `max_concurrent_requests` are in flight."""
+        """Generate on one engine (sticky per `session_id`); waits while `max_concurrent_requests` are in flight.
+
+        When the engine dies, the request is issued again (the same prompt ids, so an episode continues
+        token-exact) on the engine restarted with the current weights, while fewer than `max_restarts`
+        restarts were made; otherwise `EngineDeadError`.
+        """
+        prompt = list(prompt_token_ids)
         async with self._semaphore():
-            index = self._route(session_id)
-            self._in_flight[index] += 1
-            self._routed[index] += 1
-            try:
-                return await self._submit(index, list(prompt_token_ids), sampling_params)
-            finally:
-                self._in_flight[index] -= 1
+            while True:
+                index = self._route(session_id)
+                engine = self._engines[index]
+                self._in_flight[index] += 1
+                self._routed[index] += 1
+                try:
+                    return await self._submit(index, prompt, sampling_params)
+                except EngineDeadError as error:
+                    dead = error
+                finally:
+                    self._in_flight[index] -= 1
+                await self._revive(index, engine, dead)
+
+    async def _revive(self, index: int, engine: ActorHandle, error: EngineDeadError) -> None:
+        """Restart engine `index` (unless a request that saw it die already did); `EngineDeadError`
+        naming the engine and the cause once `max_restarts` restarts were made."""
+        loop = asyncio.get_running_loop()
+        if self._restart_lock is None or self._restart_lock[0] is not loop:
+            self._restart_lock = (loop, asyncio.Lock())
+        async with self._restart_lock[1]:
+            if self._engines[index] is not engine:
+                return
+            if not self.max_restarts:
+                raise error
+            lines = str(error).splitlines()
+            cause = lines[1] if len(lines) > 1 else lines[0]  # "Ray reports: ..."
+            if self.restarts >= self.max_restarts:
+                raise EngineDeadError(
+                    f"inference engine {index} died again after {self.restarts} restart(s), the run's "
+                    f"limit (generator.max_engine_restarts={self.max_restarts}); last cause: {cause}"
+                ) from error
+            logger.warning("inference engine %d died (%s); restarting it", index, cause)
+            await self.restart_engine(index)
+            self.restarts += 1
 
     async def _submit(self, index: int, prompt: list[int], params: SamplingParams) -> GenerationOutput:
         """Queue one request for engine `index`; every request queued in the same event-loop step
@@ -363,8 +409,7 @@ class InferenceEngineClient:
         await engine.health.remote()
         if self._latest_weights is not None:
             await engine.update_weights.remote(self._latest_weights, self._weight_version)
-        self._engines[index] = engine
-        self._in_flight[index] = 0
+        self._engines[index] = engine  # its requests in flight failed and were counted out
         logger.info("restarted inference engine %d", index)
 
     def shutdown(self, timeout_s: float = 30.0) -> None:

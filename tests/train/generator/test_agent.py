@@ -178,10 +178,12 @@ def test_an_agent_past_its_timeout_fails_and_its_late_requests_get_a_409(served,
     assert late.status_code == 409 and late.json()["error"]["code"] == "session_closed"
 
 
-def test_a_session_without_requests_is_an_empty_episode(served, agent_generator):
+def test_a_session_without_requests_is_an_empty_episode(served, agent_generator, caplog):
     (episode, _) = run(served, agent_generator(f"{AGENTS}:silent"), PROMPTS[:1]).episodes
     assert episode.stop_reason == "empty" and episode.reward == 0.0
     assert all(not any(t.loss_mask) for t in episode.trajectory.turns)
+    # a whole batch of them: the agent probably does not send its session header
+    assert "made no request in any of its 2 sessions" in caplog.text and "X-Session-Id" in caplog.text
 
 
 def test_per_request_rewards_must_match_the_requests(served, agent_generator):

@@ -70,3 +70,33 @@ def test_an_engine_updated_through_shared_memory_is_not_restarted_with_stale_wei
         assert [h.weight_version for h in asyncio.run(client.health())] == [2]
     finally:
         client.shutdown()
+
+
+def test_a_dead_engine_is_restarted_and_its_request_issued_again_up_to_the_limit(
+    ray_cluster, tiny_model_path, reference_model
+):
+    """generator.max_engine_restarts: a request whose engine dies is answered by the restarted engine,
+    with the current weights and the same prompt (greedy: the answer an undisturbed engine gives)."""
+    client = start_client("hf", tiny_model_path)
+    client.max_restarts = 1
+    params = SamplingParams(temperature=0, max_tokens=500)
+    try:
+        asyncio.run(client.update_weights(perturbed_copy(reference_model, seed=4).state_dict(), 1))
+
+        async def kill_during_a_request():
+            running = asyncio.ensure_future(client.generate(LOOP_PROMPT, params, session_id="s"))
+            while sum(h.num_in_flight for h in await client.health()) == 0:
+                await asyncio.sleep(0.01)
+            ray.kill(client.engines[0])
+            return await running
+
+        out = asyncio.run(kill_during_a_request())
+        assert client.restarts == 1 and out.weight_version == 1
+        assert out.response_ids == asyncio.run(client.generate(LOOP_PROMPT, params)).response_ids
+        with pytest.raises(
+            EngineDeadError,
+            match=r"engine 0 died again after 1 restart\(s\).*max_engine_restarts=1\); last cause",
+        ):
+            asyncio.run(kill_during_a_request())
+    finally:
+        client.shutdown()
