@@ -1,9 +1,9 @@
 """The OpenAI-compatible endpoint with a real HTTP client on 127.0.0.1 and a real engine behind it."""
 
 import asyncio
-import socket
 import threading
 import time
+from http.client import HTTPConnection
 
 import httpx
 import pytest
@@ -220,10 +220,13 @@ def test_64_concurrent_openai_clients_are_served_and_a_wrong_key_is_refused(serv
 def test_an_idle_connection_stays_open_while_the_run_trains(server):
     """Agents' pooled connections idle through a training step; the server must not close them under
     the clients (uvicorn's default closes them after 5 s, racing the clients' next request)."""
-    with socket.create_connection((server.cfg.host, server.port), timeout=30) as conn:
-        request = f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n\r\n".encode()
-        conn.sendall(request)
-        assert conn.recv(65536).startswith(b"HTTP/1.1 200")
-        time.sleep(6)
-        conn.sendall(request)  # the same connection, after the idle time
-        assert conn.recv(65536).startswith(b"HTTP/1.1 200")
+    conn = HTTPConnection(server.cfg.host, server.port, timeout=30)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    try:
+        for _ in range(2):  # the same connection (http.client does not reconnect), the second time idle
+            conn.request("GET", "/v1/models", headers=headers)
+            response = conn.getresponse()
+            assert response.status == 200 and b"tiny" in response.read()
+            time.sleep(6)
+    finally:
+        conn.close()
