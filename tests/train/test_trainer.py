@@ -34,12 +34,17 @@ SMALL = [
 ]
 
 
+def build(cfg, run_dir, model_path) -> Trainer:
+    """A trainer for `cfg` on the datasets `cfg` names, as `python -m skyrl.train` builds it."""
+    return Trainer(
+        cfg, run_dir, str(model_path), load_datasets(cfg, AutoTokenizer.from_pretrained(model_path))
+    )
+
+
 def run(overrides, run_dir, model_path, stop_after=None):
     """Train with `overrides`; `stop_after=N` ends the run after step N as if it were killed there."""
     cfg = compose_config(overrides)
-    trainer = Trainer(
-        cfg, run_dir, str(model_path), load_datasets(cfg, AutoTokenizer.from_pretrained(model_path))
-    )
+    trainer = build(cfg, run_dir, model_path)
     if stop_after is not None:
         trainer.cfg.trainer.total_steps = stop_after  # schedules were built for the full run
     try:
@@ -408,12 +413,7 @@ def test_the_run_serves_its_engines_over_http_through_weight_syncs(ray_cluster, 
     """generator.http_endpoint.enabled: the address is in the run directory while the run trains, and
     a client sending requests throughout (weight syncs included) gets an answer to every one."""
     cfg = compose_config([*SMALL, "generator.http_endpoint.enabled=true", "trainer.total_steps=3"])
-    trainer = Trainer(
-        cfg,
-        tmp_path,
-        str(tiny_model_path),
-        load_datasets(cfg, AutoTokenizer.from_pretrained(tiny_model_path)),
-    )
+    trainer = build(cfg, tmp_path, tiny_model_path)
     endpoint = json.loads((tmp_path / ENDPOINT_FILE).read_text())
     assert endpoint["base_url"].startswith("http://127.0.0.1:") and endpoint["api_key"] is False
     statuses, done = [], threading.Event()
@@ -470,12 +470,7 @@ def test_a_run_survives_a_dead_engine(ray_cluster, tiny_model_path, tmp_path):
     """An engine killed between steps is restarted with the current weights when the next step's
     requests find it dead; they are issued again and the step trains as usual."""
     cfg = compose_config([*SMALL, "trainer.total_steps=2", "generator.max_engine_restarts=1"])
-    trainer = Trainer(
-        cfg,
-        tmp_path,
-        str(tiny_model_path),
-        load_datasets(cfg, AutoTokenizer.from_pretrained(tiny_model_path)),
-    )
+    trainer = build(cfg, tmp_path, tiny_model_path)
     try:
         first = trainer.train_step()
         ray.kill(trainer.client.engines[0])

@@ -44,6 +44,7 @@ from skyrl.train.generator.rollout import (
     Episode,
     GeneratorOutput,
     allowed_token_ids,
+    batch_settings,
     check_failures,
     fail_turns,
     rollout_metrics,
@@ -236,9 +237,7 @@ class AgentGenerator:
         n_samples_per_prompt: int | None = None,
     ) -> GeneratorOutput:
         """Episodes for every prompt x sample in prompt order, as `RolloutManager.agenerate`."""
-        uids = uids or [f"p{i}" for i in range(len(prompts))]
-        sampling = sampling or self.cfg.sampling
-        n = n_samples_per_prompt or self.cfg.n_samples_per_prompt
+        uids, sampling, n = batch_settings(self.cfg, prompts, uids, sampling, n_samples_per_prompt)
         params = SamplingParams(
             temperature=sampling.temperature,
             top_p=sampling.top_p,
@@ -300,11 +299,13 @@ class AgentGenerator:
         if error is not None:
             fail_turns(turns, self.cfg.env_failure)
             return Episode(
-                Trajectory(uid, trajectory_id, turns or self._empty_turn(row)), "error", 0.0, error
+                Trajectory(uid, trajectory_id, turns or self._placeholder(row)), "error", 0.0, error
             )
         metrics = dict(result.metrics) if isinstance(result, AgentResult) else {}
         if not turns:  # the model answered nothing, so nothing is trained and the episode scores 0
-            return Episode(Trajectory(uid, trajectory_id, self._empty_turn(row)), "empty", 0.0, None, metrics)
+            return Episode(
+                Trajectory(uid, trajectory_id, self._placeholder(row)), "empty", 0.0, None, metrics
+            )
         for turn, reward in zip(turns, rewards, strict=True):
             turn.reward = reward
         return Episode(Trajectory(uid, trajectory_id, turns), "done", sum(rewards), None, metrics)
@@ -321,11 +322,8 @@ class AgentGenerator:
         """Stop the agents' loop (cancelling what still runs on it)."""
         self._agents.close()
 
-    def _empty_turn(self, row: PromptRow) -> list[Turn]:
-        """A placeholder turn for a session that generated nothing: trains nothing (loss mask 0)."""
-        prompt = self.sessions.template.prompt(row.prompt)
-        eos = self.sessions.template.eos
-        return [Turn(prompt, [eos], [0.0], [0], 0.0, self.server.client.weight_version)]
+    def _placeholder(self, row: PromptRow) -> list[Turn]:
+        return self.sessions.template.placeholder(row.prompt, self.server.client.weight_version)
 
 
 def turn_rewards(result: Any, num_turns: int) -> list[float]:

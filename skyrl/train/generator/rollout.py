@@ -140,6 +140,10 @@ class ChatTemplateDelta:
     def observation(self, messages: list[dict[str, str]]) -> list[int]:
         return self._render([*self.BASE, *messages], add_generation_prompt=True)[self.base_length :]
 
+    def placeholder(self, messages: list[dict[str, str]], weight_version: int) -> list[Turn]:
+        """The one turn of an episode that produced no response: trains nothing (loss mask 0)."""
+        return [Turn(self.prompt(messages), [self.eos], [0.0], [0], 0.0, weight_version)]
+
 
 class RolloutManager:
     """Runs `n_samples_per_prompt` episodes per prompt concurrently against an engine client.
@@ -187,9 +191,7 @@ class RolloutManager:
         Raises `RuntimeError` quoting the first errors when more than
         `max_env_failure_fraction` of the episodes failed in their environment.
         """
-        uids = uids or [f"p{i}" for i in range(len(prompts))]
-        sampling = sampling or self.cfg.sampling
-        n = n_samples_per_prompt or self.cfg.n_samples_per_prompt
+        uids, sampling, n = batch_settings(self.cfg, prompts, uids, sampling, n_samples_per_prompt)
         start = time.perf_counter()
         # not a `with` block: an env call stuck past its timeout must not hold up the batch
         pool = ThreadPoolExecutor(max_workers=self.cfg.env_workers, thread_name_prefix="skyrl-env")
@@ -260,7 +262,7 @@ class RolloutManager:
                 context += self.template.observation(step.observations)
             metrics = await self._env_call(pool, env.get_metrics)
             return Episode(
-                Trajectory(uid, trajectory_id, turns or self._empty_turn(row)),
+                Trajectory(uid, trajectory_id, turns or self._placeholder(row)),
                 stop_reason,
                 total,
                 None,
@@ -269,7 +271,7 @@ class RolloutManager:
         except EnvFailure as e:  # ends this episode only, scored 0
             fail_turns(turns, self.cfg.env_failure)
             return Episode(
-                Trajectory(uid, trajectory_id, turns or self._empty_turn(row)), "error", 0.0, str(e)
+                Trajectory(uid, trajectory_id, turns or self._placeholder(row)), "error", 0.0, str(e)
             )
         finally:
             self.client.end_session(trajectory_id)
@@ -279,10 +281,23 @@ class RolloutManager:
                 except EnvFailure as e:
                     logger.warning("episode %s: %s", trajectory_id, e)
 
-    def _empty_turn(self, row: PromptRow) -> list[Turn]:
-        """A placeholder turn for an episode that produced no response: trains nothing (loss mask 0)."""
-        prompt = self.template.prompt(row.prompt)
-        return [Turn(prompt, [self.template.eos], [0.0], [0], 0.0, self.client.weight_version)]
+    def _placeholder(self, row: PromptRow) -> list[Turn]:
+        return self.template.placeholder(row.prompt, self.client.weight_version)
+
+
+def batch_settings(
+    cfg: GeneratorConfig,
+    prompts: list[PromptRow],
+    uids: list[str] | None,
+    sampling: SamplingConfig | None,
+    n_samples_per_prompt: int | None,
+) -> tuple[list[str], SamplingConfig, int]:
+    """A generator call's uids (default `p{i}`), sampling and samples per prompt (default the section's)."""
+    return (
+        uids or [f"p{i}" for i in range(len(prompts))],
+        sampling or cfg.sampling,
+        n_samples_per_prompt or cfg.n_samples_per_prompt,
+    )
 
 
 def fail_turns(turns: list[Turn], env_failure: str) -> None:
