@@ -364,6 +364,10 @@ def validate_config(cfg: SkyRLConfig) -> None:
         t.rpc_timeout_s > 0,
         f"trainer.rpc_timeout_s={t.rpc_timeout_s} must be > 0 (seconds a worker call may take), e.g. 1800.",
     )
+    _require(
+        t.max_restarts >= 0,
+        f"trainer.max_restarts={t.max_restarts} must be >= 0 (0: a dead worker ends the run), e.g. 3.",
+    )
     staleness = t.async_training.max_staleness
     _require(
         staleness >= 0,

@@ -192,6 +192,8 @@ class TrainerConfig:
     # optimizer steps with a non-finite loss or gradient are skipped; more than this many in a row end the run
     max_consecutive_skipped_steps: int = 5
     rpc_timeout_s: float = 1800.0  # the longest a call into the workers may take (a step, a checkpoint)
+    # a dead policy / ref / critic rank: rebuild the workers from the last checkpoint, this often per run
+    max_restarts: int = 3
 
     def optimizer_steps(self, mini_batch_size: int) -> int:
         """Optimizer steps of the whole run for a model trained on `mini_batch_size`-prompt mini-batches;

@@ -64,6 +64,7 @@ from skyrl.train.utils.seqlen_balancing import attention_cost_weight
 from skyrl.train.utils.tracking import METRICS_FILE, Tracker
 from skyrl.train.workers.actor_group import (
     ActorGroup,
+    WorkerDiedError,
     create_placement_group,
     latest_checkpoint,
     pin_to_cores,
@@ -74,6 +75,7 @@ from skyrl.train.workers.fsdp_worker import CHECKPOINT_DONE, CriticWorker, FSDPW
 
 logger = logging.getLogger(__name__)
 TRAINER_STATE = "trainer_state.json"
+DRIVER_RNG = "driver_rng.pt"
 ENDPOINT_FILE = "http_endpoint.json"  # the HTTP endpoint's base_url, model and whether it needs a key
 TIED_STEPS_WARNING = 5  # warn after this many steps without a group that has reward variance
 # what every forward pass reads (prefix_group: which rows are computed as one sequence)
@@ -130,6 +132,7 @@ class Trainer:
         self.colocated = t.placement.colocate_all
         self._build_workers()
         self.client = self._start_engines()
+        self._driver_cores: list[int] | None = None
         self._pin_to_cores()
         self.weight_sync = self._init_weight_sync()
         self._loop: BackgroundLoop | None = None  # once there is one, every engine-client call runs on it
@@ -145,25 +148,39 @@ class Trainer:
         self.tracker = Tracker(
             t.logger, self.run_dir, t.project_name, t.run_name or self.run_dir.name, asdict(cfg)
         )
+        self.worker_restarts = 0
+        self._initial_state = self._driver_state()  # what a worker restart before any checkpoint returns to
 
     # ---- construction ----
     def _build_workers(self) -> None:
-        """Policy, and ref / critic when the algorithm needs them: each an `ActorGroup` over the
-        `trainer` section with `placement.dp_size(role)` ranks, on shared bundles when colocated."""
-        t, p = self.cfg.trainer, self.cfg.trainer.placement
+        """Placement groups for the policy, and ref / critic when the algorithm needs them (one shared
+        by all when colocated), then the worker groups on them (`_start_workers`)."""
+        p = self.cfg.trainer.placement
         gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0  # the driver may sit on a CPU node
         groups = [True, self.use_ref, self.use_critic, True]  # policy, ref, critic, inference engines
-        fraction = 1.0 / sum(groups) if p.colocate_all else 1.0
+        self._worker_fraction = 1.0 / sum(groups) if p.colocate_all else 1.0
         # what each colocated inference engine takes of its bundle
-        self._engine_resources = {"num_cpus": p.cpus_per_worker * fraction, "num_gpus": gpus * fraction}
+        self._engine_resources = {
+            "num_cpus": p.cpus_per_worker * self._worker_fraction,
+            "num_gpus": gpus * self._worker_fraction,
+        }
 
-        def bundles(n: int) -> Any:
-            pg = create_placement_group(n, cpus_per_bundle=p.cpus_per_worker, gpus_per_bundle=gpus)
+        def bundles(role: str) -> Any:
+            pg = create_placement_group(
+                p.dp_size(role), cpus_per_bundle=p.cpus_per_worker, gpus_per_bundle=gpus
+            )
             self._placement_groups.append(pg)
             return pg
 
-        shared = bundles(p.dp_size("policy")) if p.colocate_all else None
-        self._shared_pg = shared
+        self._shared_pg = bundles("policy") if p.colocate_all else None
+        roles = ["policy"] + ["ref"] * self.use_ref + ["critic"] * self.use_critic
+        self._worker_pgs = {role: self._shared_pg or bundles(role) for role in roles}
+        self._start_workers()
+
+    def _start_workers(self) -> None:
+        """The policy, ref and critic `ActorGroup`s over the `trainer` section, `placement.dp_size(role)`
+        ranks each, on the placement groups of `_build_workers`."""
+        t = self.cfg.trainer
         # logprobs of the distribution the engines sample from (greedy sampling: the plain softmax)
         sampled_from = {
             "temperature": self.cfg.generator.sampling.temperature or 1.0,
@@ -173,9 +190,10 @@ class Trainer:
         def group(worker_cls: type[FSDPWorker], model_path: str | None) -> ActorGroup:
             # null: the policy's model, self.model_path (resolved by the caller)
             path = resolve_model_path(model_path) if model_path else self.model_path
-            size = p.dp_size(worker_cls.role)
+            role = worker_cls.role
+            pg, size = self._worker_pgs[role], t.placement.dp_size(role)
             return ActorGroup(
-                worker_cls, t, path, size, shared or bundles(size), resource_fraction=fraction, **sampled_from
+                worker_cls, t, path, size, pg, resource_fraction=self._worker_fraction, **sampled_from
             )
 
         self.policy = group(PolicyWorker, None)
@@ -202,7 +220,6 @@ class Trainer:
     def _pin_to_cores(self) -> None:
         """Disaggregated on CPU: every engine and worker on cores of its own (`num_cpus_per_engine` x
         tensor parallel and `cpus_per_worker` each), when the node has enough (`pin_to_cores`)."""
-        self._driver_cores: list[int] | None = None
         if self.colocated or ray.cluster_resources().get("GPU", 0) > 0:
             return
         e, p = self.cfg.generator.inference_engine, self.cfg.trainer.placement
@@ -211,7 +228,7 @@ class Trainer:
         ]
         for group in (self.policy, self.ref, self.critic):
             actors += [(worker, int(p.cpus_per_worker)) for worker in group.actors] if group else []
-        self._driver_cores = pin_to_cores(actors)
+        self._driver_cores = pin_to_cores(actors, self._driver_cores)  # again after a restart: same cores
         logger.info("engines and workers on cores of their own: %s", self.pinned_to_cores)
 
     @property
@@ -291,6 +308,7 @@ class Trainer:
             "batch/pad_fraction": pad_fraction(policy_bounds, self.policy.num_workers),
             "dispatch/object_store_bytes": float(self._dispatch_bytes),
             "engine/restarts": float(self.client.restarts),
+            "trainer/worker_restarts": float(self.worker_restarts),
             **layout_metrics(
                 batch["prefix_group"], batch["attention_mask"], batch.metadata["trajectory_ids"]
             ),
@@ -612,17 +630,9 @@ class Trainer:
         self.policy.save_checkpoint(tmp / "policy")
         if self.critic is not None:
             self.critic.save_checkpoint(tmp / "critic")
-        state = {
-            "step": self.step,
-            "weight_version": self.weight_version,
-            "loader": self._loader_state,  # prompts the stream drew ahead are drawn again on resume
-            "kl_coef": self.kl_ctrl.value,
-        }
+        state, rng = self._driver_state()
         (tmp / TRAINER_STATE).write_text(json.dumps(state))
-        torch.save(
-            {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
-            tmp / "driver_rng.pt",
-        )
+        torch.save(rng, tmp / DRIVER_RNG)
         (tmp / CHECKPOINT_DONE).touch()
         os.replace(tmp, final)
         complete = sorted(
@@ -632,7 +642,20 @@ class Trainer:
             shutil.rmtree(old)
         return final
 
+    def _driver_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What a checkpoint holds of the driver: the loop's state (JSON) and its random generators."""
+        state = {
+            "step": self.step,
+            "weight_version": self.weight_version,
+            "loader": self._loader_state,  # prompts the stream drew ahead are drawn again on resume
+            "kl_coef": self.kl_ctrl.value,
+        }
+        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        return state, rng
+
     def resume(self) -> Path | None:
+        """Continue from the checkpoint `trainer.resume_mode` names (`latest`: the newest complete one in
+        the run directory, if any); returns its path, or None when the run starts afresh."""
         mode = self.cfg.trainer.resume_mode
         if mode == "none":
             return None
@@ -641,20 +664,65 @@ class Trainer:
             return None
         if not (path / CHECKPOINT_DONE).exists():
             raise FileNotFoundError(f"trainer.resume_mode={mode}: {path} is not a complete checkpoint")
-        self.policy.load_checkpoint(path / "policy")
-        if self.critic is not None:
-            self.critic.load_checkpoint(path / "critic")
-        state = json.loads((path / TRAINER_STATE).read_text())
-        self.step, self.weight_version = state["step"], state["weight_version"]
+        self._restore(path)
+        return path
+
+    def _restore(self, path: Path | None) -> None:
+        """Workers and driver from checkpoint `path`, or the state this run started in when None (the
+        workers must be new then); then the engines get the restored policy's weights."""
+        if path is None:
+            state, rng = self._initial_state
+        else:
+            self.policy.load_checkpoint(path / "policy")
+            if self.critic is not None:
+                self.critic.load_checkpoint(path / "critic")
+            state = json.loads((path / TRAINER_STATE).read_text())
+            rng = torch.load(path / DRIVER_RNG, weights_only=False)
+        self.step = state["step"]
+        # the engines accept only newer versions: after a worker restart theirs may be ahead
+        self.weight_version = max(state["weight_version"], self.client.weight_version)
         self.loader.load_state_dict(state["loader"])
         self._loader_state = self.loader.state_dict()
         self.kl_ctrl.value = state["kl_coef"]
-        rng = torch.load(path / "driver_rng.pt", weights_only=False)
+        self._tied_steps, self._skipped_in_a_row = 0, {"policy": 0, "critic": 0}
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
         torch.set_rng_state(rng["torch"])
         self.sync_weights()
-        return path
+
+    def restart_workers(self, error: WorkerDiedError) -> Path | None:
+        """After a worker died: kill every worker group (their collectives are broken), start them again
+        on the same bundles and restore the last complete checkpoint (or the run's start), so the steps
+        after it run again as after a resume. Returns the checkpoint; `WorkerDiedError` naming
+        `trainer.max_restarts` when the run has used its restarts."""
+        limit = self.cfg.trainer.max_restarts
+        if self.worker_restarts >= limit:
+            used = f"trainer.max_restarts={limit}" + (", all used" if limit else "")
+            raise WorkerDiedError(error.role, error.ranks, error.method, f"{error.cause} ({used})") from error
+        self.worker_restarts += 1
+        checkpoint = latest_checkpoint(self.ckpt_root)
+        logger.warning(
+            "%s; restarting the workers from %s (restart %d of trainer.max_restarts=%d)",
+            error,
+            checkpoint.name if checkpoint else "the start of the run (no checkpoint yet)",
+            self.worker_restarts,
+            limit,
+        )
+        if self.stream is not None:  # its draws were made for steps that now run again
+            self.stream.stop()
+            self.stream = None
+        self._staged = {}
+        for group in (self.policy, self.ref, self.critic):
+            if group is not None:
+                group.kill()
+        self._start_workers()
+        self._pin_to_cores()
+        if self.weight_sync == "broadcast":  # the old group lost its sender: the engines join a new one
+            self.weight_sync = self._init_weight_sync()
+        if self.colocated:  # a worker may have died while the engines slept
+            self._await(self.client.wake_up())
+        self._restore(checkpoint)
+        return checkpoint
 
     # ---- the run ----
     def fit(self) -> list[dict[str, float]]:
@@ -672,28 +740,46 @@ class Trainer:
             evaluation = self.evaluate()
             self.tracker.log(evaluation, self.step)
             print("eval before training: " + ", ".join(f"{k} {v:.3f}" for k, v in evaluation.items()))
-        history = []
+        history: list[dict[str, float]] = []
+        first_step = self.step
         progress = tqdm(total=t.total_steps, initial=self.step, desc="training", unit="step")
         while self.step < t.total_steps:
-            metrics = self.train_step()
-            if t.eval_interval and self.step % t.eval_interval == 0:
-                evaluation = self.evaluate()
-                metrics |= evaluation
+            try:
+                metrics = self._step_with_extras(progress)
+            except WorkerDiedError as error:
+                checkpoint = self.restart_workers(error)
+                del history[max(0, self.step - first_step) :]
+                self.tracker.rewind(self.step)
+                progress.n = self.step
                 progress.write(
-                    f"eval at step {self.step}: " + ", ".join(f"{k} {v:.3f}" for k, v in evaluation.items())
+                    f"a {error.role} worker died; workers restarted from "
+                    f"{checkpoint.name if checkpoint else 'the start of the run'}, at step {self.step}"
                 )
-            if t.ckpt_interval and self.step % t.ckpt_interval == 0:
-                progress.write(f"checkpoint: {self.save_checkpoint()}")
-            if self.step == t.total_steps or (t.hf_save_interval and self.step % t.hf_save_interval == 0):
-                export = self.run_dir / "hf_model" / f"global_step_{self.step}"
-                self.policy.run("save_hf_model", str(export))
-                progress.write(f"exported the policy (from_pretrained-ready): {export}")
+                continue
             self.tracker.log(metrics, self.step)
             history.append(metrics)
             progress.update(1)
             progress.write(step_line(self.step, metrics))
         progress.close()
         return history
+
+    def _step_with_extras(self, progress: tqdm) -> dict[str, float]:
+        """One training step, then the eval, checkpoint and export due after it; the step's metrics."""
+        t = self.cfg.trainer
+        metrics = self.train_step()
+        if t.eval_interval and self.step % t.eval_interval == 0:
+            evaluation = self.evaluate()
+            metrics |= evaluation
+            progress.write(
+                f"eval at step {self.step}: " + ", ".join(f"{k} {v:.3f}" for k, v in evaluation.items())
+            )
+        if t.ckpt_interval and self.step % t.ckpt_interval == 0:
+            progress.write(f"checkpoint: {self.save_checkpoint()}")
+        if self.step == t.total_steps or (t.hf_save_interval and self.step % t.hf_save_interval == 0):
+            export = self.run_dir / "hf_model" / f"global_step_{self.step}"
+            self.policy.run("save_hf_model", str(export))
+            progress.write(f"exported the policy (from_pretrained-ready): {export}")
+        return metrics
 
     def shutdown(self) -> None:
         if self.stream is not None:

@@ -154,6 +154,7 @@ BAD_CONFIGS = [
     (["environment.timeout_s=0"], r"environment.timeout_s=0.0 must be > 0"),
     (["generator.max_engine_restarts=-1"], r"generator.max_engine_restarts=-1 must be >= 0"),
     (["trainer.rpc_timeout_s=-5"], r"trainer.rpc_timeout_s=-5.0 must be > 0"),
+    (["trainer.max_restarts=-1"], r"trainer.max_restarts=-1 must be >= 0"),
     (["generator.agent=my_agent"], r"generator.agent='my_agent' must be 'package.module:name'"),
     (
         ["generator.agent=no_such_module:run"],

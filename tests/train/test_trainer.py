@@ -20,7 +20,7 @@ from skyrl.train.generator.rollout import Episode
 from skyrl.train.trainer import ENDPOINT_FILE, Trainer, load_datasets, rewards_tie, skipped_in_a_row
 from skyrl.train.utils.errors import ConfigError
 from skyrl.train.utils.tracking import read_metrics
-from skyrl.train.workers.actor_group import latest_checkpoint
+from skyrl.train.workers.actor_group import WorkerDiedError, latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 KV = "kv_cache_memory_bytes=67108864"
@@ -34,17 +34,26 @@ SMALL = [
 ]
 
 
-def build(cfg, run_dir, model_path) -> Trainer:
+def build(cfg, run_dir, model_path, cls=Trainer) -> Trainer:
     """A trainer for `cfg` on the datasets `cfg` names, as `python -m skyrl.train` builds it."""
-    return Trainer(
-        cfg, run_dir, str(model_path), load_datasets(cfg, AutoTokenizer.from_pretrained(model_path))
-    )
+    return cls(cfg, run_dir, str(model_path), load_datasets(cfg, AutoTokenizer.from_pretrained(model_path)))
 
 
-def run(overrides, run_dir, model_path, stop_after=None):
+class KillsAPolicyWorker(Trainer):
+    """Kills policy rank `rank` when step `at_step` starts training, the first time that step runs."""
+
+    at_step, rank = 3, 0
+
+    def train(self, batch):
+        if self.step + 1 == self.at_step and not self.worker_restarts:
+            ray.kill(self.policy.actors[self.rank])
+        return super().train(batch)
+
+
+def run(overrides, run_dir, model_path, stop_after=None, cls=Trainer):
     """Train with `overrides`; `stop_after=N` ends the run after step N as if it were killed there."""
     cfg = compose_config(overrides)
-    trainer = build(cfg, run_dir, model_path)
+    trainer = build(cfg, run_dir, model_path, cls)
     if stop_after is not None:
         trainer.cfg.trainer.total_steps = stop_after  # schedules were built for the full run
     try:
@@ -84,6 +93,17 @@ def test_resume_after_a_kill_continues_like_an_uninterrupted_run(ray_cluster, ti
     lines = (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
     assert json.loads(lines[2])["policy/loss"] == resumed[0]["policy/loss"]
+
+    # a policy worker dies while step 3 trains: the workers are rebuilt from step 2's checkpoint and
+    # steps 3 and 4 run again as after a resume
+    died = run([*common, "trainer.total_steps=4"], tmp_path / "died", tiny_model_path, cls=KillsAPolicyWorker)
+    assert [m["trainer/worker_restarts"] for m in died] == [0, 0, 1, 1]
+    for a, b in zip(straight, died, strict=True):
+        assert a["reward/mean"] == b["reward/mean"]
+        assert a["policy/loss"] == pytest.approx(b["policy/loss"], rel=1e-4, abs=1e-6)
+        assert a["critic/loss"] == pytest.approx(b["critic/loss"], rel=1e-4, abs=1e-6)
+    assert [r["step"] for r in read_metrics(tmp_path / "died")] == [1, 2, 3, 4]
+    assert len((tmp_path / "died" / "metrics.jsonl").read_text().splitlines()) == 4
 
     # a new run must not start in a directory that holds another run's checkpoints
     with pytest.raises(ConfigError, match=r"resume_mode=none, but the run directory .* global_step_4"):
@@ -481,3 +501,23 @@ def test_a_run_survives_a_dead_engine(ray_cluster, tiny_model_path, tmp_path):
     assert (first["engine/restarts"], second["engine/restarts"]) == (0.0, 1.0)
     assert second["episode/env_failures"] == 0 and second["policy/grad_norm"] > 0
     assert versions == [2]  # restarted with step 1's weights, then step 2's sync reached it
+
+
+def test_a_dead_worker_rank_ends_the_run_at_once_when_restarts_are_off(
+    ray_cluster, tiny_model_path, tmp_path
+):
+    """Rank 1 of two dies mid-step while rank 0 waits for it in a collective: the call fails at once
+    (not after trainer.rpc_timeout_s) naming the rank, and with trainer.max_restarts=0 the run stops."""
+    overrides = [
+        *SMALL,
+        "trainer.total_steps=2",
+        "trainer.max_restarts=0",
+        "trainer.placement.policy_num_gpus_per_node=2",
+        "trainer.rpc_timeout_s=600",
+    ]
+
+    class KillsRank1(KillsAPolicyWorker):
+        at_step, rank = 1, 1
+
+    with pytest.raises(WorkerDiedError, match=r"policy worker rank\(s\) \[1\] died .*trainer.max_restarts=0"):
+        run(overrides, tmp_path, tiny_model_path, cls=KillsRank1)

@@ -13,13 +13,14 @@ import asyncio
 import contextlib
 import os
 import socket
+import time
 from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import Any
 
 import psutil
 import ray
-from ray.exceptions import GetTimeoutError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -27,6 +28,17 @@ from skyrl.train.schema import TrainerConfig
 from skyrl.train.training_batch import TrainingInputBatch
 from skyrl.train.workers.dispatch import MeshDispatch, StagedMiniBatch
 from skyrl.train.workers.fsdp_worker import CHECKPOINT_DONE, FSDPWorker
+
+DEATH_POLL_S = 2.0  # while some ranks of a call have finished, how often the others' liveness is checked
+
+
+class WorkerDiedError(RuntimeError):
+    """A training worker's process died (killed, OOM, crashed); its group's collectives are broken, so
+    the group must be rebuilt (the trainer does, from the last complete checkpoint, `trainer.max_restarts`)."""
+
+    def __init__(self, role: str, ranks: list[int], method: str, cause: str):
+        super().__init__(f"{role} worker rank(s) {ranks} died during {method}: {cause}")
+        self.role, self.ranks, self.method, self.cause = role, ranks, method, cause
 
 
 def create_placement_group(
@@ -56,13 +68,14 @@ def create_placement_group(
     return pg
 
 
-def pin_to_cores(actors: Sequence[tuple[Any, int]]) -> list[int] | None:
-    """Give each `(actor, n)` `n` cores of its own (every thread of its process), in order from this
-    node's first core, and move this process and its other descendants (a local cluster's Ray
-    daemons) onto the first actor's cores; only on a one-node cluster with enough cores for the
-    actors. Returns the cores this process had (for `unpin_driver`), or None when it did not pin.
+def pin_to_cores(actors: Sequence[tuple[Any, int]], cores: list[int] | None = None) -> list[int] | None:
+    """Give each `(actor, n)` `n` cores of its own (every thread of its process), in order from the
+    first of `cores` (default: the cores this process may use), and move this process and its other
+    descendants (a local cluster's Ray daemons) onto the first actor's cores; only on a one-node
+    cluster with enough cores for the actors. Returns the cores it shared out (for `unpin_driver`, or
+    to pin again after an actor was replaced), or None when it did not pin.
     Ray's CPUs are logical: without pinning the OS moves every process over every core."""
-    cores = sorted(os.sched_getaffinity(0))
+    cores = cores or sorted(os.sched_getaffinity(0))
     wanted = [max(1, n) for _, n in actors]
     if len([n for n in ray.nodes() if n["Alive"]]) != 1 or sum(wanted) > len(cores):
         return None
@@ -148,20 +161,51 @@ class ActorGroup:
         return self._get([self.actors[0].__ray_call__.remote(lambda _: node_free_port())], "rendezvous")[0]
 
     def _wait(self, refs: list[ray.ObjectRef], method: str) -> None:
-        """Wait for `refs` (ref i from rank i) without fetching them; `RuntimeError` naming the role,
-        `method` and the ranks still running once `rpc_timeout_s` passed."""
-        _, pending = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s, fetch_local=False)
-        if pending:
-            late = [rank for rank, ref in enumerate(refs) if ref in pending]
-            raise RuntimeError(
-                f"{self.role} worker rank(s) {late} did not finish {method} within trainer.rpc_timeout_s="
-                f"{self.timeout_s:g} s (free resources: {ray.available_resources()}); an actor may be waiting "
-                "for resources or a collective hung"
-            )
+        """Wait for `refs` (ref i from rank i) without fetching them. `WorkerDiedError` as soon as a
+        rank that finished is found dead (the others may be waiting for it in a collective);
+        `RuntimeError` naming the role, `method` and the ranks still running once `rpc_timeout_s` passed."""
+        deadline = time.monotonic() + self.timeout_s
+        pending = refs
+        while pending:
+            timeout = min(DEATH_POLL_S, max(0.0, deadline - time.monotonic()))
+            _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)
+            if pending and len(pending) < len(refs):
+                self._raise_if_dead([rank for rank, ref in enumerate(refs) if ref not in pending], method)
+            if pending and time.monotonic() >= deadline:
+                late = [rank for rank, ref in enumerate(refs) if ref in pending]
+                raise RuntimeError(
+                    f"{self.role} worker rank(s) {late} did not finish {method} within trainer.rpc_timeout_s="
+                    f"{self.timeout_s:g} s (free resources: {ray.available_resources()}); an actor may be "
+                    "waiting for resources or a collective hung"
+                )
+
+    def dead_ranks(self, ranks: Sequence[int] | None = None, timeout_s: float = 10.0) -> list[int]:
+        """The ranks (of `ranks`, default all) whose actor is dead. A live rank busy with another call
+        does not answer within `timeout_s` and counts as alive."""
+        ranks = list(range(self.num_workers)) if ranks is None else list(ranks)
+        pings = [self.actors[rank].__ray_call__.remote(lambda _: None) for rank in ranks]
+        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout_s)
+        dead = []
+        for rank, ping in zip(ranks, pings, strict=True):
+            if ping in ready:
+                try:
+                    ray.get(ping)
+                except RayActorError:
+                    dead.append(rank)
+        return dead
+
+    def _raise_if_dead(self, ranks: list[int], method: str, cause: str = "the actor process is gone") -> None:
+        dead = self.dead_ranks(ranks)
+        if dead:
+            raise WorkerDiedError(self.role, dead, method, cause)
 
     def _get(self, refs: list[ray.ObjectRef], method: str) -> list[Any]:
         self._wait(refs, method)
-        return ray.get(refs)
+        try:
+            return ray.get(refs)
+        except RayError as error:  # a peer of a dead rank may fail first (its collective lost the peer)
+            self._raise_if_dead(list(range(len(refs))), method, str(error).splitlines()[0])
+            raise
 
     def run(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call `method(*args, **kwargs)` on every rank and wait for all results."""
@@ -169,8 +213,20 @@ class ActorGroup:
 
     def run_async(self, method: str, *args: Any) -> Awaitable[list[Any]]:
         """Start `method(*args)` on every rank now; await the result for all ranks (no timeout: for
-        collectives whose peers outside this group are awaited together with it)."""
-        return asyncio.gather(*(getattr(actor, method).remote(*args) for actor in self.actors))
+        collectives whose peers outside this group are awaited together with it). A dead rank raises
+        `WorkerDiedError`."""
+        refs = [getattr(actor, method).remote(*args) for actor in self.actors]
+
+        async def results() -> list[Any]:
+            try:
+                return await asyncio.gather(*refs)
+            except RayError as error:
+                dead = await asyncio.to_thread(self.dead_ranks)
+                if dead:
+                    raise WorkerDiedError(self.role, dead, method, str(error).splitlines()[0]) from error
+                raise
+
+        return results()
 
     def stage(
         self,
@@ -220,11 +276,12 @@ class ActorGroup:
         """Rank 0's full state dict, left in the object store (engines fetch it without a driver copy)."""
         refs = [actor.full_state_dict.remote() for actor in self.actors]
         self._wait(refs, "full_state_dict")  # a collective: every rank must finish
+        self._raise_if_dead(list(range(self.num_workers)), "full_state_dict")  # results are not fetched here
         return refs[0]
 
     def kill(self) -> None:
         for actor in self.actors:
-            ray.kill(actor)
+            ray.kill(actor, no_restart=True)
 
 
 def latest_checkpoint(root: str | Path, prefix: str = "global_step_") -> Path | None:
