@@ -229,6 +229,8 @@ class Trainer:
         for group in (self.policy, self.ref, self.critic):
             actors += [(worker, int(p.cpus_per_worker)) for worker in group.actors] if group else []
         self._driver_cores = pin_to_cores(actors, self._driver_cores)  # again after a restart: same cores
+        if self._driver_cores is not None:  # a restarted engine takes the cores of the one it replaces
+            self.client.on_restart = lambda _: self._pin_to_cores()
         logger.info("engines and workers on cores of their own: %s", self.pinned_to_cores)
 
     @property
@@ -693,36 +695,44 @@ class Trainer:
     def restart_workers(self, error: WorkerDiedError) -> Path | None:
         """After a worker died: kill every worker group (their collectives are broken), start them again
         on the same bundles and restore the last complete checkpoint (or the run's start), so the steps
-        after it run again as after a resume. Returns the checkpoint; `WorkerDiedError` naming
-        `trainer.max_restarts` when the run has used its restarts."""
+        after it run again as after a resume; a worker that dies meanwhile costs another restart.
+        Returns the checkpoint; `WorkerDiedError` naming `trainer.max_restarts` once the run has used
+        its restarts."""
         limit = self.cfg.trainer.max_restarts
-        if self.worker_restarts >= limit:
-            used = f"trainer.max_restarts={limit}" + (", all used" if limit else "")
-            raise WorkerDiedError(error.role, error.ranks, error.method, f"{error.cause} ({used})") from error
-        self.worker_restarts += 1
-        checkpoint = latest_checkpoint(self.ckpt_root)
-        logger.warning(
-            "%s; restarting the workers from %s (restart %d of trainer.max_restarts=%d)",
-            error,
-            checkpoint.name if checkpoint else "the start of the run (no checkpoint yet)",
-            self.worker_restarts,
-            limit,
-        )
-        if self.stream is not None:  # its draws were made for steps that now run again
-            self.stream.stop()
-            self.stream = None
-        self._staged = {}
-        for group in (self.policy, self.ref, self.critic):
-            if group is not None:
-                group.kill()
-        self._start_workers()
-        self._pin_to_cores()
-        if self.weight_sync == "broadcast":  # the old group lost its sender: the engines join a new one
-            self.weight_sync = self._init_weight_sync()
-        if self.colocated:  # a worker may have died while the engines slept
-            self._await(self.client.wake_up())
-        self._restore(checkpoint)
-        return checkpoint
+        while True:
+            if self.worker_restarts >= limit:
+                used = f"trainer.max_restarts={limit}" + (", all used" if limit else "")
+                raise WorkerDiedError(
+                    error.role, error.ranks, error.method, f"{error.cause} ({used})"
+                ) from error
+            self.worker_restarts += 1
+            checkpoint = latest_checkpoint(self.ckpt_root)
+            logger.warning(
+                "%s; restarting the workers from %s (restart %d of trainer.max_restarts=%d)",
+                error,
+                checkpoint.name if checkpoint else "the start of the run (no checkpoint yet)",
+                self.worker_restarts,
+                limit,
+            )
+            if self.stream is not None:  # its draws were made for steps that now run again
+                self.stream.stop()
+                self.stream = None
+            self._staged = {}
+            for group in (self.policy, self.ref, self.critic):
+                if group is not None:
+                    group.kill()
+            try:
+                self._start_workers()
+                self._pin_to_cores()
+                if self.weight_sync == "broadcast":  # the old group lost its sender: the engines join anew
+                    self.weight_sync = self._init_weight_sync()
+                if self.colocated:  # a worker may have died while the engines slept
+                    self._await(self.client.wake_up())
+                self._restore(checkpoint)
+            except WorkerDiedError as again:
+                error = again
+                continue
+            return checkpoint
 
     # ---- the run ----
     def fit(self) -> list[dict[str, float]]:

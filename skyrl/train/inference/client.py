@@ -118,6 +118,9 @@ class InferenceEngineClient:
             max_restarts  # dead engines `generate` restarts itself (generator.max_engine_restarts)
         )
         self.restarts = 0
+        self.on_restart: Callable[[int], None] | None = (
+            None  # called (in a thread) with a restarted engine's index
+        )
         self._restart_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
 
     @classmethod
@@ -287,8 +290,21 @@ class InferenceEngineClient:
 
         call.add_done_callback(resolve)
 
-    async def _call_all(self, method: str, *args: Any) -> list[Any]:
-        return await _gather(*(self._call(i, method, *args) for i in range(len(self._engines))))
+    async def _call_all(self, method: str, *args: Any, revive: bool = False) -> list[Any]:
+        """`method(*args)` on every engine; with `revive`, an engine found dead is restarted (while the
+        run has restarts left, as in `generate`) and called again."""
+
+        async def call(index: int) -> Any:
+            while True:
+                engine = self._engines[index]
+                try:
+                    return await self._call(index, method, *args)
+                except EngineDeadError as error:
+                    if not revive:
+                        raise
+                    await self._revive(index, engine, error)
+
+        return await _gather(*(call(i) for i in range(len(self._engines))))
 
     def _check_version(self, version: int) -> None:
         if version <= self._weight_version:
@@ -302,13 +318,16 @@ class InferenceEngineClient:
         """Push weights to every engine: put once in the object store (or pass a ref to CPU tensors
         already there), each engine fetches, validates, loads and resets its prefix cache. `version`
         must exceed `weight_version`, which becomes `version` once all engines accepted. A bad update
-        raises `WeightUpdateError` from the engines and changes nothing."""
+        raises `WeightUpdateError` from the engines and changes nothing. A dead engine is restarted and
+        updated like in `generate`; so are those found dead by `sleep`, `wake_up` and `reset_prefix_cache`."""
         self._check_version(version)
         if isinstance(named_tensors, ray.ObjectRef):
             ref = named_tensors
         else:
             ref = ray.put({name: t.detach().cpu() for name, t in named_tensors.items()})
-        await self._call_all("update_weights", ref, version)
+        await self._call_all(
+            "update_weights", ref, version, revive=True
+        )  # a restart loads the old, then this
         self._weight_version = version
         self._latest_weights = ref
 
@@ -366,15 +385,15 @@ class InferenceEngineClient:
 
     async def reset_prefix_cache(self) -> None:
         """Reset every engine's prefix cache."""
-        await self._call_all("reset_prefix_cache")
+        await self._call_all("reset_prefix_cache", revive=True)
 
     async def sleep(self) -> None:
         """Put every engine to sleep (requests in flight return `stop_reason="abort"`)."""
-        await self._call_all("sleep")
+        await self._call_all("sleep", revive=True)
 
     async def wake_up(self) -> None:
         """Wake every engine."""
-        await self._call_all("wake_up")
+        await self._call_all("wake_up", revive=True)
 
     async def health(self) -> list[EngineHealth]:
         """Every engine's health, in engine order; `EngineDeadError` if one is dead."""
@@ -410,6 +429,8 @@ class InferenceEngineClient:
         if self._latest_weights is not None:
             await engine.update_weights.remote(self._latest_weights, self._weight_version)
         self._engines[index] = engine  # its requests in flight failed and were counted out
+        if self.on_restart is not None:
+            await asyncio.to_thread(self.on_restart, index)
         logger.info("restarted inference engine %d", index)
 
     def shutdown(self, timeout_s: float = 30.0) -> None:

@@ -153,8 +153,12 @@ class ActorGroup:
             ).remote(cfg, rank, num_workers, model_path, **worker_kwargs)
             for rank in range(num_workers)
         ]
-        self.run("init_process_group", *self.rank0_free_port())
-        self.run("init_model")
+        try:
+            self.run("init_process_group", *self.rank0_free_port())
+            self.run("init_model")
+        except BaseException:
+            self.kill()  # a group that failed to start must not hold its bundles
+            raise
 
     def rank0_free_port(self) -> tuple[str, int]:
         """An address and a free port on rank 0's node, for a rendezvous hosted by rank 0."""

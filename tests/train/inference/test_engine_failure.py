@@ -100,3 +100,27 @@ def test_a_dead_engine_is_restarted_and_its_request_issued_again_up_to_the_limit
             asyncio.run(kill_during_a_request())
     finally:
         client.shutdown()
+
+
+def test_an_engine_found_dead_by_a_weight_update_is_restarted_and_updated(
+    ray_cluster, tiny_model_path, reference_model
+):
+    """An engine that died between steps (no request noticed) is restarted by the next weight sync,
+    which then reaches it too; without restarts left the sync raises naming the engine."""
+    client = start_client("hf", tiny_model_path)
+    client.max_restarts = 1
+    try:
+        asyncio.run(client.update_weights(reference_model.state_dict(), 1))
+        ray.kill(client.engines[0])
+        perturbed = perturbed_copy(reference_model, seed=5)
+        asyncio.run(client.update_weights(perturbed.state_dict(), 2))
+        assert client.restarts == 1
+        assert [h.weight_version for h in asyncio.run(client.health())] == [2]
+        out = asyncio.run(client.generate([1, 10, 11], SamplingParams(temperature=0, max_tokens=8)))
+        expected = reference_logprobs(perturbed, [1, 10, 11], out.response_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=0)
+        ray.kill(client.engines[0])
+        with pytest.raises(EngineDeadError, match=r"engine 0 died again after 1 restart\(s\)"):
+            asyncio.run(client.update_weights(perturbed.state_dict(), 3))
+    finally:
+        client.shutdown()

@@ -35,6 +35,11 @@ def test_each_actor_gets_cores_of_its_own_and_the_driver_gets_its_cores_back(ray
         assert ray.get([a.cores.remote(), b.cores.remote()]) == [[cores[0]], [cores[1]]]
         assert ray.get(b.new_thread_cores.remote()) == [cores[1]]  # threads started later inherit it
         assert sorted(os.sched_getaffinity(0)) == [cores[0]]  # the driver shares the first actor's
+        # b replaced (a restart): pinning again with the cores shared out before gives c b's cores
+        c = Probe.remote()
+        assert pin_to_cores([(a, 1), (c, 1)], before) == before
+        assert ray.get(c.cores.remote()) == [cores[1]]
+        ray.kill(c)
     finally:
         unpin_driver(before)
     assert sorted(os.sched_getaffinity(0)) == cores
