@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from skyrl.train.overrides import check_config_name, check_overrides
-from skyrl.train.schema import ATTN_IMPLEMENTATIONS, ENV_FAILURE_MODES, ROLES, SkyRLConfig
+from skyrl.train.schema import ATTN_IMPLEMENTATIONS, ENV_EXECUTORS, ENV_FAILURE_MODES, ROLES, SkyRLConfig
 from skyrl.train.utils.errors import ConfigError
 
 
@@ -182,6 +182,7 @@ def validate_config(cfg: SkyRLConfig) -> None:
         ("generator.max_turns", g.max_turns),
         ("generator.max_generate_length", g.max_generate_length),
         ("generator.max_input_length", g.max_input_length),
+        ("generator.env_workers", g.env_workers),
         ("data.max_prompt_length", d.max_prompt_length),
         ("trainer.placement.policy_num_nodes", t.placement.policy_num_nodes),
         ("trainer.placement.policy_num_gpus_per_node", t.placement.policy_num_gpus_per_node),
@@ -299,6 +300,12 @@ def validate_config(cfg: SkyRLConfig) -> None:
         g.env_failure in ENV_FAILURE_MODES,
         f"generator.env_failure={g.env_failure!r} is not one of {list(ENV_FAILURE_MODES)}: mask leaves an "
         "episode whose environment raised out of the loss, zero_reward trains on it with reward 0.",
+    )
+    _require(
+        g.env_executor in ENV_EXECUTORS,
+        f"generator.env_executor={g.env_executor!r} is not one of {list(ENV_EXECUTORS)}: thread runs "
+        "environments in threads of the driver, process in worker processes that an env's crash or hang "
+        "cannot take down.",
     )
     _known("environment.env_class", cfg.environment.env_class, resolve_env)
     _require(

@@ -276,6 +276,7 @@ class OpenAIServerConfig:
 
 
 ENV_FAILURE_MODES = ("mask", "zero_reward")
+ENV_EXECUTORS = ("thread", "process")
 
 
 @dataclass
@@ -302,7 +303,9 @@ class GeneratorConfig:
     inference_engine: InferenceEngineConfig = field(default_factory=InferenceEngineConfig)
     # the run serves the engines over HTTP (0: a free port, written to http_endpoint.json in the run directory)
     http_endpoint: OpenAIServerConfig = field(default_factory=lambda: OpenAIServerConfig(port=0))
-    env_workers: int = 8  # threads that run environment calls
+    env_workers: int = 8  # threads (or processes) that run environment calls
+    # one of ENV_EXECUTORS: `process` runs envs in worker processes, so a segfault or hang fails only their episodes
+    env_executor: str = "thread"
     max_env_failure_fraction: float = 0.5
     env_failure: str = "mask"  # one of ENV_FAILURE_MODES
     # asynchronous training: a weight sync lands while episodes are in progress, which continue on

@@ -49,7 +49,6 @@ from skyrl.train.dataset.preprocess import (
     trajectories_to_sequences,
 )
 from skyrl.train.dataset.prompt_dataset import PromptDataset, PromptLoader
-from skyrl.train.generator.agent import AgentGenerator
 from skyrl.train.generator.base import build_generator, generate_checked
 from skyrl.train.generator.rollout import Episode, allowed_token_ids, rollout_metrics
 from skyrl.train.generator.stream import RolloutStream, episode_staleness
@@ -796,8 +795,9 @@ class Trainer:
             self.stream.stop()
         if self.server is not None:
             self._await(self.server.stop())
-        if isinstance(self.rollout, AgentGenerator):
-            self.rollout.close()
+        close = getattr(self.rollout, "close", None)  # agent sessions, env processes
+        if close is not None:
+            close()
         if self._loop is not None:
             self._loop.close()
         self.tracker.close()

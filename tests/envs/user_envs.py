@@ -1,5 +1,7 @@
 """Environments defined outside skyrl, referenced as 'tests.envs.user_envs:Class'."""
 
+import ctypes
+import os
 import threading
 
 from skyrl.envs import BaseTextEnv, BaseTextEnvStepOutput
@@ -51,3 +53,22 @@ class HangingEnv(ChattyEnv):
             RELEASE.wait(30)
             FINISHED.append(action)
         return super().step(action)
+
+
+class CrashingEnv(ChattyEnv):
+    """A ChattyEnv whose process dies on its second step as the row's `crash` column says: `exit`
+    (`os._exit(3)`) or `segfault` (a read of address 0). Only for `generator.env_executor=process`."""
+
+    def step(self, action: str) -> BaseTextEnvStepOutput:
+        if self.turns == 1 and self.extras.get("crash") == "exit":
+            os._exit(3)
+        if self.turns == 1 and self.extras.get("crash") == "segfault":
+            ctypes.string_at(0)
+        return super().step(action)
+
+
+class UnpicklableMetricsEnv(EchoLengthEnv):
+    """Its metrics hold a function, which cannot travel back from an env process."""
+
+    def get_metrics(self) -> dict:
+        return {"score": lambda: 0}

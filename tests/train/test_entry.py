@@ -148,6 +148,11 @@ BAD_CONFIGS = [
         r"generator.env_failure='skip' is not one of \['mask', 'zero_reward'\]",
     ),
     (
+        ["generator.env_executor=ray"],
+        r"generator.env_executor='ray' is not one of \['thread', 'process'\]",
+    ),
+    (["generator.env_workers=0"], r"generator.env_workers=0 must be positive"),
+    (
         ["trainer.max_consecutive_skipped_steps=-1"],
         r"trainer.max_consecutive_skipped_steps=-1 must be >= 0",
     ),

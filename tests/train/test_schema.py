@@ -221,6 +221,7 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "generator.http_endpoint.served_model_name": ("generator.http_endpoint.served_model_name=agent",),
     "generator.http_endpoint.default_max_tokens": ("generator.http_endpoint.default_max_tokens=64",),
     "generator.env_workers": ("generator.env_workers=2",),
+    "generator.env_executor": ("generator.env_executor=process",),
     "generator.max_env_failure_fraction": ("generator.max_env_failure_fraction=0.25",),
     "generator.env_failure": ("generator.env_failure=zero_reward",),
     "generator.inflight_weight_updates": (

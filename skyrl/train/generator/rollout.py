@@ -14,6 +14,12 @@ engine's token ids, never re-tokenised. An env that raises, or whose call does n
 `generator.env_failure=mask` (the default) its turns also get loss mask 0, so the
 policy is not trained on the environment's bug. The batch fails only above
 `max_env_failure_fraction`.
+
+Env calls run on `generator.env_executor`: `thread` (the default), a pool of `env_workers` threads per
+batch (a call stuck past its timeout leaves its thread behind); or `process`, the manager's
+`EnvProcessPool` of `env_workers` worker processes, kept across batches until `close`, where an env
+that segfaults, exits or hangs ends only the episodes whose envs share its process (a call past its
+timeout kills its process, and with it those episodes) and a new process takes its place.
 """
 
 from __future__ import annotations
@@ -31,15 +37,12 @@ from typing import Any
 from skyrl.envs import BaseTextEnv, make
 from skyrl.train.dataset.preprocess import Trajectory, Turn, prefix_consistent
 from skyrl.train.dataset.prompt_dataset import PromptRow
+from skyrl.train.generator.env_processes import EnvFailure, EnvProcessPool, RemoteEnv
 from skyrl.train.inference.engine import SamplingParams
 from skyrl.train.schema import EnvironmentConfig, GeneratorConfig, SamplingConfig
 from skyrl.train.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
-
-
-class EnvFailure(Exception):
-    """An environment raised; the episode ends with reward 0."""
 
 
 def allowed_token_ids(tokenizer: Any, env: EnvironmentConfig) -> tuple[int, ...]:
@@ -150,12 +153,20 @@ class RolloutManager:
 
     `cfg` is the `generator` section (its `inference_engine` part belongs to the engines),
     `env` the `environment` section. `ConfigError` if an entry of the env's `allowed_tokens` is not one token.
+    With `env_executor=process`, `close` stops the env processes (a later batch starts new ones).
     """
 
     def __init__(self, client: Any, tokenizer: Any, cfg: GeneratorConfig, env: EnvironmentConfig):
         self.client, self.tokenizer, self.cfg, self.env = client, tokenizer, cfg, env
         self.template = ChatTemplateDelta(tokenizer)
         self.allowed_token_ids = allowed_token_ids(tokenizer, env)
+        self._processes: EnvProcessPool | None = None  # started by the first batch that needs it
+
+    def close(self) -> None:
+        """Stop the env processes, if any (their calls in flight fail)."""
+        if self._processes is not None:
+            self._processes.close()
+            self._processes = None
 
     def _sampling(self, context_length: int, sampling: SamplingConfig) -> SamplingParams:
         budget = min(self.cfg.max_generate_length, self.cfg.max_input_length - context_length)
@@ -193,8 +204,7 @@ class RolloutManager:
         """
         uids, sampling, n = batch_settings(self.cfg, prompts, uids, sampling, n_samples_per_prompt)
         start = time.perf_counter()
-        # not a `with` block: an env call stuck past its timeout must not hold up the batch
-        pool = ThreadPoolExecutor(max_workers=self.cfg.env_workers, thread_name_prefix="skyrl-env")
+        pool = self._env_executor()
         try:
             # a TaskGroup cancels and awaits every episode if one raises (e.g. a dead engine)
             async with asyncio.TaskGroup() as group:
@@ -206,35 +216,69 @@ class RolloutManager:
         except ExceptionGroup as errors:
             raise errors.exceptions[0] from None
         finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+            if isinstance(pool, ThreadPoolExecutor):
+                pool.shutdown(wait=False, cancel_futures=True)
         episodes = [task.result() for task in tasks]
         check_failures(episodes, self.cfg.max_env_failure_fraction)
         return GeneratorOutput(episodes, rollout_metrics(episodes, n, time.perf_counter() - start))
 
-    async def _env_call(self, pool: ThreadPoolExecutor, fn: Any, *args: Any) -> Any:
-        """`fn(*args)` in the env thread pool; anything it raises, and not returning within
-        `environment.timeout_s`, becomes an `EnvFailure` (the stuck thread is left behind)."""
-        name = getattr(fn, "__qualname__", fn)
+    def _env_executor(self) -> ThreadPoolExecutor | EnvProcessPool:
+        """This batch's env threads, or the manager's env processes (kept across batches: a process
+        starts in about 0.1 s plus its env's imports)."""
+        if self.cfg.env_executor == "thread":
+            # not a `with` block: an env call stuck past its timeout must not hold up the batch
+            return ThreadPoolExecutor(max_workers=self.cfg.env_workers, thread_name_prefix="skyrl-env")
+        if self._processes is None:
+            self._processes = EnvProcessPool(self.cfg.env_workers)
+        return self._processes
+
+    async def _env_call(
+        self,
+        pool: ThreadPoolExecutor | EnvProcessPool,
+        env: BaseTextEnv | RemoteEnv | None,
+        method: str,
+        *args: Any,
+    ) -> Any:
+        """`env.<method>(*args)`, or with `env=None` and `method="make"` a new env (`make(*args)`), in a
+        thread of `pool` or in the process that hosts the env. Anything it raises, and not returning
+        within `environment.timeout_s`, becomes an `EnvFailure`: a stuck thread is left behind; a stuck
+        process is killed (failing the episodes of its other envs too) and later replaced."""
+        if isinstance(pool, EnvProcessPool):
+            name = "make" if env is None else getattr(env.cls, method).__qualname__
+            future = pool.make(*args) if env is None else pool.call(env, method, *args)
+        else:
+            fn = make if env is None else getattr(env, method)
+            name, future = fn.__qualname__, pool.submit(fn, *args)
         deadline = asyncio.timeout(self.env.timeout_s)
         try:
             async with deadline:
-                return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+                return await asyncio.wrap_future(future)
         except Exception as e:
             if deadline.expired():
-                raise EnvFailure(
-                    f"{name} did not return within environment.timeout_s={self.env.timeout_s}"
-                ) from e
+                message = f"{name} did not return within environment.timeout_s={self.env.timeout_s}"
+                if isinstance(pool, EnvProcessPool):
+                    pool.kill(future, message)
+                raise EnvFailure(message) from e
+            if isinstance(pool, EnvProcessPool):
+                raise  # the pool's EnvFailure names the call already
             raise EnvFailure(f"{name} raised {type(e).__name__}: {e}") from e
 
     async def _episode(
-        self, row: PromptRow, uid: str, trajectory_id: str, pool: ThreadPoolExecutor, sampling: SamplingConfig
+        self,
+        row: PromptRow,
+        uid: str,
+        trajectory_id: str,
+        pool: ThreadPoolExecutor | EnvProcessPool,
+        sampling: SamplingConfig,
     ) -> Episode:
         env_class = row.env_class or self.env.env_class
         turns: list[Turn] = []
-        env: BaseTextEnv | None = None
+        env: BaseTextEnv | RemoteEnv | None = None
         try:
-            env = await self._env_call(pool, make, env_class, self.env.config.get(env_class, {}), row.extras)
-            messages, _ = await self._env_call(pool, env.init, row.prompt)
+            env = await self._env_call(
+                pool, None, "make", env_class, self.env.config.get(env_class, {}), row.extras
+            )
+            messages, _ = await self._env_call(pool, env, "init", row.prompt)
             context = self.template.prompt(messages)
             stop_reason, total = "max_turns", 0.0
             for _ in range(self.cfg.max_turns):
@@ -249,7 +293,7 @@ class RolloutManager:
                     break
                 response = list(out.response_ids)
                 text = self.tokenizer.decode(response, skip_special_tokens=True)
-                step = await self._env_call(pool, env.step, text)
+                step = await self._env_call(pool, env, "step", text)
                 logprobs, mask = list(out.logprobs), [1] * len(response)
                 turns.append(
                     Turn(list(context), response, logprobs, mask, float(step.reward), out.weight_version)
@@ -260,7 +304,7 @@ class RolloutManager:
                     break
                 context = context + response + self.template.close_turn(response)
                 context += self.template.observation(step.observations)
-            metrics = await self._env_call(pool, env.get_metrics)
+            metrics = await self._env_call(pool, env, "get_metrics")
             return Episode(
                 Trajectory(uid, trajectory_id, turns or self._placeholder(row)),
                 stop_reason,
@@ -277,7 +321,7 @@ class RolloutManager:
             self.client.end_session(trajectory_id)
             if env is not None:
                 try:
-                    await self._env_call(pool, env.close)
+                    await self._env_call(pool, env, "close")
                 except EnvFailure as e:
                     logger.warning("episode %s: %s", trajectory_id, e)
 

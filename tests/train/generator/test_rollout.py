@@ -1,12 +1,16 @@
 """The rollout manager against a real tiny model behind real engine actors."""
 
+import re
+
+import psutil
 import pytest
 
+from skyrl.envs import guess_number
 from skyrl.train.dataset.preprocess import trajectories_to_sequences
 from skyrl.train.dataset.prompt_dataset import parse_rows
 from skyrl.train.generator.rollout import ChatTemplateDelta, RolloutManager, allowed_token_ids
 from skyrl.train.inference import InferenceEngineClient, InferenceEngineConfig
-from skyrl.train.schema import EnvironmentConfig, GeneratorConfig
+from skyrl.train.schema import EnvironmentConfig, GeneratorConfig, SamplingConfig
 from skyrl.train.utils.errors import ConfigError
 from tests.envs import user_envs
 
@@ -19,6 +23,11 @@ PROMPTS = parse_rows(
     ],
     "test",
 )
+
+
+def env_processes() -> set[int]:
+    """The live environment worker processes of this test process."""
+    return {p.pid for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())}
 
 
 def start_client(backend, model_path):
@@ -146,10 +155,106 @@ def test_too_many_env_failures_fail_the_step_quoting_the_error(hf_client, tokeni
         mgr.generate(PROMPTS)
 
 
-def test_an_unknown_env_fails_with_the_registered_names(hf_client, tokenizer):
-    mgr = manager(hf_client, tokenizer, env_class="sokoban")
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_an_unknown_env_fails_with_the_registered_names(hf_client, tokenizer, executor):
+    mgr = manager(hf_client, tokenizer, env_class="sokoban", env_executor=executor)
     with pytest.raises(RuntimeError, match=r"unknown environment 'sokoban'; registered: \["):
         mgr.generate(PROMPTS[:1])
+
+
+def test_env_processes_play_the_same_episodes_as_env_threads(hf_client, tokenizer):
+    """Greedy guess_number games, one per hidden number: where the envs run changes nothing."""
+    env = EnvironmentConfig(
+        "guess_number", {"guess_number": {"max_turns": 4, "allowed_tokens": [str(i) for i in range(1, 9)]}}
+    )
+    rows = parse_rows([{**guess_number.make_dataset(1)[0], "target": t} for t in range(1, 9)], "guess")
+    settings = {"n_samples_per_prompt": 2, "max_turns": 4, "max_generate_length": 1, "max_input_length": 256}
+    greedy = SamplingConfig(temperature=0.0)
+    processes = GeneratorConfig(**settings, env_executor="process", env_workers=3)
+    mgr = RolloutManager(hf_client, tokenizer, processes, env)
+    try:
+        ours = mgr.generate(rows, sampling=greedy).episodes
+    finally:
+        mgr.close()
+    theirs = RolloutManager(hf_client, tokenizer, GeneratorConfig(**settings), env).generate(
+        rows, sampling=greedy
+    )
+    assert 0 < sum(e.reward for e in ours) < len(ours)  # some games won, some lost
+    assert max(e.num_turns for e in ours) > 1
+    for a, b in zip(ours, theirs.episodes, strict=True):
+        assert (a.stop_reason, a.reward, a.env_metrics) == (b.stop_reason, b.reward, b.env_metrics)
+        assert [(t.context_ids, t.response_ids, t.reward) for t in a.trajectory.turns] == [
+            (t.context_ids, t.response_ids, t.reward) for t in b.trajectory.turns
+        ]
+
+
+def test_an_env_that_raises_in_a_process_fails_its_episode_as_in_a_thread(hf_client, tokenizer):
+    mgr = manager(hf_client, tokenizer, env_class=FLAKY, env_executor="process", env_workers=2)
+    try:
+        ours = mgr.generate(PROMPTS).episodes
+    finally:
+        mgr.close()
+    theirs = manager(hf_client, tokenizer, env_class=FLAKY).generate(PROMPTS).episodes
+    assert [(e.stop_reason, e.error) for e in ours] == [(e.stop_reason, e.error) for e in theirs]
+    assert ours[3].error == "FlakyEnv.step raised RuntimeError: simulated env crash"
+
+
+def test_an_env_process_that_dies_fails_only_its_episodes_and_is_replaced(hf_client, tokenizer):
+    crashing = "tests.envs.user_envs:CrashingEnv"
+    rows = parse_rows(
+        [{"prompt": "Go."}, {"prompt": "Go.", "crash": "exit"}, {"prompt": "Go.", "crash": "segfault"}],
+        "test",
+    )
+    env = EnvironmentConfig(crashing, {crashing: {"turns": 2}}, timeout_s=20.0)
+    cfg = GeneratorConfig(
+        n_samples_per_prompt=1,
+        max_turns=2,
+        max_generate_length=4,
+        max_env_failure_fraction=1.0,
+        env_executor="process",
+        env_workers=3,  # one env per process
+    )
+    mgr = RolloutManager(hf_client, tokenizer, cfg, env)
+    try:
+        fine, exited, segfaulted = mgr.generate(rows).episodes
+        again = mgr.generate(rows[:1] * 3).episodes  # the dead processes' slots take new ones
+    finally:
+        mgr.close()
+    assert fine.stop_reason == "done" and fine.reward == 1.0
+    process = r"CrashingEnv.step: its environment process \(pid \d+\)"
+    assert exited.stop_reason == "error" and re.fullmatch(f"{process} died with exit code 3", exited.error)
+    assert segfaulted.stop_reason == "error"
+    assert re.fullmatch(f"{process} was killed by signal 11 \\(Segmentation fault\\)", segfaulted.error)
+    for e in (exited, segfaulted):
+        (turn,) = e.trajectory.turns  # the first step returned, the second killed the process
+        assert e.reward == 0.0 and not any(turn.loss_mask)
+    assert [(e.stop_reason, e.reward) for e in again] == [("done", 1.0)] * 3
+
+
+def test_an_env_process_past_its_timeout_is_killed_and_replaced(hf_client, tokenizer):
+    rows = parse_rows([{"prompt": "Go.", "hang": True}, {"prompt": "Go."}], "test")
+    hanging = "tests.envs.user_envs:HangingEnv"  # in a process, nothing releases its step for 30 s
+    env = EnvironmentConfig(hanging, {hanging: {"turns": 2}}, timeout_s=3.0)
+    cfg = GeneratorConfig(
+        n_samples_per_prompt=1, max_turns=2, max_generate_length=4, env_executor="process", env_workers=2
+    )
+    mgr = RolloutManager(hf_client, tokenizer, cfg, env)
+    try:
+        mgr.generate(rows[1:] * 2)  # starts both processes, outside the timed calls
+        started = env_processes()
+        hung, fine = mgr.generate(rows).episodes  # one env per process
+        left = env_processes()
+        again = mgr.generate(rows[1:] * 2).episodes
+        replaced = env_processes()
+    finally:
+        mgr.close()
+    assert len(started) == 2 and len(left) == 1 and left < started  # the stuck process is gone
+    assert len(replaced) == 2 and left < replaced
+    assert hung.stop_reason == "error"
+    assert hung.error == "HangingEnv.step did not return within environment.timeout_s=3.0"
+    assert all(not any(t.loss_mask) for t in hung.trajectory.turns)
+    assert fine.stop_reason == "done" and fine.reward == 1.0
+    assert [(e.stop_reason, e.reward) for e in again] == [("done", 1.0)] * 2
 
 
 def test_context_over_max_input_length_stops_with_length(hf_client, tokenizer):
