@@ -133,8 +133,8 @@ class Trainer:
         self.client = self._start_engines()
         self._driver_cores: list[int] | None = None
         self._pin_to_cores()
-        self.weight_sync = self._init_weight_sync()
         self._loop: BackgroundLoop | None = None  # once there is one, every engine-client call runs on it
+        self.weight_sync = self._init_weight_sync()
         self.stream: RolloutStream | None = None  # max_staleness >= 1: started by the first step
         self.server: OpenAIServer | None = None
         if cfg.generator.http_endpoint.enabled or cfg.generator.agent:  # an agent talks to the endpoint
@@ -238,8 +238,9 @@ class Trainer:
         return self._driver_cores is not None
 
     def _init_weight_sync(self) -> str:
-        """Resolve `weight_sync` (`object_store`, `broadcast` or `ipc`) and, for `broadcast`, join policy
-        rank 0 and the engines in one group."""
+        """Resolve `weight_sync` (`object_store`, `broadcast` or `ipc`); for `broadcast`, join policy rank 0
+        and the engines in one group. For the paths that keep no copy of the weights (`broadcast`,
+        `ipc`) a restarted engine gets them from the policy (`_resend_weights`)."""
         e = self.cfg.generator.inference_engine
         on_gpu = ray.cluster_resources().get("GPU", 0) > 0
         mode = e.weight_sync
@@ -252,18 +253,31 @@ class Trainer:
                 "(or auto), or placement=disaggregated"
             )
         logger.info("weight sync: %s", mode)
-        if mode != "broadcast":
-            return mode
+        if mode != "object_store":
+            self.client.weight_restorer = self._resend_weights
+        if mode == "broadcast":
+            self._await(self._join_sync_group())
+        return mode
+
+    async def _join_sync_group(self) -> None:
+        """Policy rank 0 (the sender) and every engine join a new broadcast group."""
+        e = self.cfg.generator.inference_engine
+        address = await asyncio.to_thread(self.policy.rank0_free_port)
         group = WeightSyncGroup(
-            *self.policy.rank0_free_port(),
+            *address,
             world_size=self.client.weight_sync_world_size,
-            backend="nccl" if on_gpu else "gloo",
+            backend="nccl" if ray.cluster_resources().get("GPU", 0) > 0 else "gloo",
             timeout_s=e.weight_sync_timeout_s,
         )
-        asyncio.run(
-            self.client.init_weight_sync(group, lambda: self.policy.run_async("init_weight_sync", group))
-        )
-        return mode
+        await self.client.init_weight_sync(group, lambda: self.policy.run_async("init_weight_sync", group))
+
+    async def _resend_weights(self) -> None:
+        """The policy's weights to every engine again, at the engines' version: after an engine restart
+        on a path that keeps no copy (broadcast: in a new group, since the old one has a dead rank)."""
+        if self.weight_sync == "broadcast":
+            await self._join_sync_group()
+        update = await asyncio.to_thread(self._weight_update, self.client.weight_version, True)
+        await update()
 
     # ---- one step ----
     def train_step(self) -> dict[str, float]:
@@ -579,25 +593,27 @@ class Trainer:
         loop, after the episodes in progress unless `generator.inflight_weight_updates`."""
         self.weight_version += 1
         version = self.weight_version
-        update: partial[Awaitable[None]]
-        if self.weight_sync == "object_store":
-            update = partial(self.client.update_weights, self.policy.full_state_dict_ref(), version)
-        else:
-            spec = self.policy.run("weight_stream_spec")[0]
-            if self.weight_sync == "broadcast":
-                send = partial(self.policy.run_async, "broadcast_weights")
-                update = partial(self.client.broadcast_weights, spec, version, send)
-            else:
-                hand = partial(self.policy.run_async, "share_weights")  # hand(engines, version)
-                update = partial(
-                    self.client.share_weights, spec, version, lambda engines: hand(engines, version)
-                )
+        update = self._weight_update(version)
         if self.server is not None:
             update = partial(self._paused, update)
         if self.stream is None:
             self._await(update())
         else:
             self.stream.sync(update, version)
+
+    def _weight_update(self, version: int, resend: bool = False) -> partial[Awaitable[None]]:
+        """The engine-client call that sends the policy's weights as `version` by `weight_sync` (with
+        `resend`, the engines' current version again)."""
+        if self.weight_sync == "object_store":
+            return partial(self.client.update_weights, self.policy.full_state_dict_ref(), version)
+        spec = self.policy.run("weight_stream_spec")[0]
+        if self.weight_sync == "broadcast":
+            send = partial(self.policy.run_async, "broadcast_weights")
+            return partial(self.client.broadcast_weights, spec, version, send, resend=resend)
+        hand = partial(self.policy.run_async, "share_weights")  # hand(engines, version)
+        return partial(
+            self.client.share_weights, spec, version, lambda engines: hand(engines, version), resend=resend
+        )
 
     # ---- eval ----
     def evaluate(self) -> dict[str, float]:

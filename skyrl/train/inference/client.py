@@ -118,9 +118,12 @@ class InferenceEngineClient:
             max_restarts  # dead engines `generate` restarts itself (generator.max_engine_restarts)
         )
         self.restarts = 0
-        self.on_restart: Callable[[int], None] | None = (
-            None  # called (in a thread) with a restarted engine's index
-        )
+        # called (in a thread) with a restarted engine's index, e.g. to pin it to cores
+        self.on_restart: Callable[[int], None] | None = None
+        # re-sends the sender's current weights to every engine at `weight_version` (broadcast: in a new
+        # group), for the syncs that keep no copy; without it their engines are not restarted
+        self.weight_restorer: Callable[[], Awaitable[None]] | None = None
+        self._restoring: set[int] = set()  # restarted engines still waiting for the current weights
         self._restart_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
 
     @classmethod
@@ -223,6 +226,9 @@ class InferenceEngineClient:
         async with self._semaphore():
             while True:
                 index = self._route(session_id)
+                if index in self._restoring:  # restarted, not yet holding the current weights
+                    async with self._restart_guard():
+                        pass
                 engine = self._engines[index]
                 self._in_flight[index] += 1
                 self._routed[index] += 1
@@ -237,10 +243,7 @@ class InferenceEngineClient:
     async def _revive(self, index: int, engine: ActorHandle, error: EngineDeadError) -> None:
         """Restart engine `index` (unless a request that saw it die already did); `EngineDeadError`
         naming the engine and the cause once `max_restarts` restarts were made."""
-        loop = asyncio.get_running_loop()
-        if self._restart_lock is None or self._restart_lock[0] is not loop:
-            self._restart_lock = (loop, asyncio.Lock())
-        async with self._restart_lock[1]:
+        async with self._restart_guard():
             if self._engines[index] is not engine:
                 return
             if not self.max_restarts:
@@ -255,6 +258,13 @@ class InferenceEngineClient:
             logger.warning("inference engine %d died (%s); restarting it", index, cause)
             await self.restart_engine(index)
             self.restarts += 1
+
+    def _restart_guard(self) -> asyncio.Lock:
+        """The lock every restart holds, on this event loop."""
+        loop = asyncio.get_running_loop()
+        if self._restart_lock is None or self._restart_lock[0] is not loop:
+            self._restart_lock = (loop, asyncio.Lock())
+        return self._restart_lock[1]
 
     async def _submit(self, index: int, prompt: list[int], params: SamplingParams) -> GenerationOutput:
         """Queue one request for engine `index`; every request queued in the same event-loop step
@@ -306,7 +316,13 @@ class InferenceEngineClient:
 
         return await _gather(*(call(i) for i in range(len(self._engines))))
 
-    def _check_version(self, version: int) -> None:
+    def _check_version(self, version: int, resend: bool = False) -> None:
+        if resend:  # the current weights again, e.g. to a restarted engine
+            if version != self._weight_version:
+                raise ValueError(
+                    f"a resend carries the current weight version {self._weight_version}, not {version}."
+                )
+            return
         if version <= self._weight_version:
             raise ValueError(
                 f"weight version {version} must be greater than the current {self._weight_version}."
@@ -354,31 +370,36 @@ class InferenceEngineClient:
         self._in_sync_group = True
 
     async def broadcast_weights(
-        self, spec: StreamSpec, version: int, send: Callable[[], Awaitable[Any]]
+        self, spec: StreamSpec, version: int, send: Callable[[], Awaitable[Any]], resend: bool = False
     ) -> None:
         """Weight sync by broadcast: every engine checks `spec` (a bad update raises `WeightUpdateError`
-        and nothing is sent), then `send()` broadcasts the groups of `spec` in order while every engine
-        receives and loads them. `version` as in `update_weights`."""
-        self._check_version(version)
+        and nothing is sent; a dead engine is restarted first, see `restart_engine`), then `send()`
+        broadcasts the groups of `spec` in order while every engine receives and loads them. `version`
+        as in `update_weights`; with `resend`, the current version (the same weights again)."""
+        self._check_version(version, resend)
         if not self._in_sync_group:
             raise RuntimeError(
                 "the engines have not joined a weight-sync group; call init_weight_sync first."
             )
-        await self._call_all("check_weight_spec", spec)
+        await self._call_all("check_weight_spec", spec, revive=not resend)
         await _gather(send(), self._call_all("receive_weights", spec, version))
         self._weight_version = version
         self._latest_weights = None
 
     async def share_weights(
-        self, spec: StreamSpec, version: int, send: Callable[[tuple[ActorHandle, ...]], Awaitable[Any]]
+        self,
+        spec: StreamSpec,
+        version: int,
+        send: Callable[[tuple[ActorHandle, ...]], Awaitable[Any]],
+        resend: bool = False,
     ) -> None:
         """Weight sync through shared memory, for engines on their sender's node (and GPU): every engine
-        checks `spec` (a bad update raises `WeightUpdateError` and nothing is sent), then
-        `send(engines)` hands the groups of `spec` to the engines with `load_shared_weights`, the last
-        group of each with `version` (e.g. `FSDPWorker.share_weights` on every policy rank).
-        `version` as in `update_weights`."""
-        self._check_version(version)
-        await self._call_all("check_weight_spec", spec)
+        checks `spec` (a bad update raises `WeightUpdateError` and nothing is sent; a dead engine is
+        restarted first, see `restart_engine`), then `send(engines)` hands the groups of `spec` to the
+        engines with `load_shared_weights`, the last group of each with `version` (e.g.
+        `FSDPWorker.share_weights` on every policy rank). `version` and `resend` as in `broadcast_weights`."""
+        self._check_version(version, resend)
+        await self._call_all("check_weight_spec", spec, revive=not resend)
         await send(self.engines)
         self._weight_version = version
         self._latest_weights = None
@@ -400,19 +421,22 @@ class InferenceEngineClient:
         return await self._call_all("health")
 
     async def restart_engine(self, index: int) -> None:
-        """Replace engine `index` with a fresh actor and re-apply the latest weight update to it.
+        """Replace engine `index` with a fresh actor that gets the current weights.
 
-        Only for clients built by `from_config`. The latest update is kept in the
-        object store for this, so restarts restore the current weights when updates
-        are full state dicts sent by `update_weights`. After a broadcast or shared-memory
-        update no copy is kept, and the restart is refused.
+        Only for clients built by `from_config`. After `update_weights` the client keeps the latest
+        update in the object store and applies it; after a broadcast or shared-memory sync it keeps
+        no copy and awaits `weight_restorer()`, which re-sends the weights to every engine (broadcast
+        engines first join a new group: a group has a fixed size); without one the restart is
+        refused. Requests for the engine wait until it holds the current weights.
         """
-        if self._in_sync_group:
-            raise RuntimeError(
-                "engines in a broadcast weight-sync group cannot be restarted one by one (the group has a "
-                "fixed size); restart the run, which resumes from its last checkpoint."
-            )
-        if self._weight_version and self._latest_weights is None:
+        needs_restorer = self._in_sync_group or bool(self._weight_version and self._latest_weights is None)
+        if needs_restorer and self.weight_restorer is None:
+            if self._in_sync_group:
+                raise RuntimeError(
+                    "engines in a broadcast weight-sync group cannot be restarted one by one (the group has a "
+                    "fixed size) without a weight_restorer to form a new one; restart the run, which resumes "
+                    "from its last checkpoint."
+                )
             raise RuntimeError(
                 f"the engines hold weight version {self._weight_version}, sent through shared memory, and no "
                 "copy is kept to restore a restarted engine; restart the run, which resumes from its last "
@@ -429,6 +453,13 @@ class InferenceEngineClient:
         if self._latest_weights is not None:
             await engine.update_weights.remote(self._latest_weights, self._weight_version)
         self._engines[index] = engine  # its requests in flight failed and were counted out
+        if needs_restorer:
+            assert self.weight_restorer is not None
+            self._restoring.add(index)
+            try:
+                await self.weight_restorer()
+            finally:
+                self._restoring.discard(index)
         if self.on_restart is not None:
             await asyncio.to_thread(self.on_restart, index)
         logger.info("restarted inference engine %d", index)
