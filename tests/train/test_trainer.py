@@ -491,8 +491,13 @@ def test_skipped_optimizer_steps_in_a_row_end_the_run_past_the_limit():
     "sync",
     [
         ["generator.inference_engine.weight_sync=object_store"],
-        ["generator.inference_engine.weight_sync=broadcast", "placement=disaggregated"],
-        ["generator.inference_engine.weight_sync=ipc"],
+        # hf engines start in ~3 s instead of vLLM's ~10 s
+        [
+            "generator.inference_engine.weight_sync=broadcast",
+            "placement=disaggregated",
+            "generator.inference_engine.backend=hf",
+        ],
+        ["generator.inference_engine.weight_sync=ipc", "generator.inference_engine.backend=hf"],
     ],
     ids=["object_store", "broadcast", "ipc"],
 )
