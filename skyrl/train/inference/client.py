@@ -124,6 +124,7 @@ class InferenceEngineClient:
         # group), for the syncs that keep no copy; without it their engines are not restarted
         self.weight_restorer: Callable[[], Awaitable[None]] | None = None
         self._restoring: set[int] = set()  # restarted engines still waiting for the current weights
+        self._restarting: dict[int, asyncio.Future] = {}  # restarts in progress, by engine index
         self._restart_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
 
     @classmethod
@@ -246,18 +247,28 @@ class InferenceEngineClient:
         async with self._restart_guard():
             if self._engines[index] is not engine:
                 return
-            if not self.max_restarts:
-                raise error
-            lines = str(error).splitlines()
-            cause = lines[1] if len(lines) > 1 else lines[0]  # "Ray reports: ..."
-            if self.restarts >= self.max_restarts:
-                raise EngineDeadError(
-                    f"inference engine {index} died again after {self.restarts} restart(s), the run's "
-                    f"limit (generator.max_engine_restarts={self.max_restarts}); last cause: {cause}"
-                ) from error
-            logger.warning("inference engine %d died (%s); restarting it", index, cause)
+            if index not in self._restarting:
+                if not self.max_restarts:
+                    raise error
+                lines = str(error).splitlines()
+                cause = lines[1] if len(lines) > 1 else lines[0]  # "Ray reports: ..."
+                if self.restarts >= self.max_restarts:
+                    raise EngineDeadError(
+                        f"inference engine {index} died again after {self.restarts} restart(s), the run's "
+                        f"limit (generator.max_engine_restarts={self.max_restarts}); last cause: {cause}"
+                    ) from error
+                logger.warning("inference engine %d died (%s); restarting it", index, cause)
+                self.restarts += 1
+                self._restarting[index] = asyncio.ensure_future(self._restart_once(index))
+            # shielded: a caller cancelled meanwhile (e.g. its draw discarded) leaves the restart running,
+            # and the next caller waits for it instead of starting another (and leaking this one's actor)
+            await asyncio.shield(self._restarting[index])
+
+    async def _restart_once(self, index: int) -> None:
+        try:
             await self.restart_engine(index)
-            self.restarts += 1
+        finally:
+            del self._restarting[index]
 
     def _restart_guard(self) -> asyncio.Lock:
         """The lock every restart holds, on this event loop."""

@@ -124,3 +124,28 @@ def test_an_engine_found_dead_by_a_weight_update_is_restarted_and_updated(
             asyncio.run(client.update_weights(perturbed.state_dict(), 3))
     finally:
         client.shutdown()
+
+
+def test_a_restart_outlives_the_request_that_started_it(ray_cluster, tiny_model_path, reference_model):
+    """A request cancelled while it restarts its dead engine (e.g. a discarded asynchronous draw)
+    leaves the restart running; the next request waits for it instead of starting a second one."""
+    client = start_client("hf", tiny_model_path)
+    client.max_restarts = 1
+    params = SamplingParams(temperature=0, max_tokens=4)
+    try:
+        asyncio.run(client.update_weights(reference_model.state_dict(), 1))
+        dead = client.engines[0]
+        ray.kill(dead)
+
+        async def cancel_during_the_restart():
+            request = asyncio.ensure_future(client.generate([1, 10, 11], params))
+            async with asyncio.timeout(60):
+                while not (client.restarts == 1 and client.engines[0] is dead):
+                    await asyncio.sleep(0.01)
+            request.cancel()
+            return await client.generate([1, 10, 11], params)
+
+        out = asyncio.run(cancel_during_the_restart())
+        assert client.restarts == 1 and client.engines[0] is not dead and out.weight_version == 1
+    finally:
+        client.shutdown()
