@@ -29,6 +29,7 @@ from skyrl.train.training_batch import TrainingInputBatch
 from skyrl.train.workers.dispatch import MeshDispatch, StagedMiniBatch
 from skyrl.train.workers.fsdp_worker import CHECKPOINT_DONE, FSDPWorker
 
+PIN_TIMEOUT_S = 60.0  # the longest pinning an idle actor to its cores may take
 DEATH_POLL_S = 2.0  # while some ranks of a call have finished, how often the others' liveness is checked
 
 
@@ -80,12 +81,18 @@ def pin_to_cores(actors: Sequence[tuple[Any, int]], cores: list[int] | None = No
     if len([n for n in ray.nodes() if n["Alive"]]) != 1 or sum(wanted) > len(cores):
         return None
     starts = [sum(wanted[:i]) for i in range(len(wanted))]
-    pinned = ray.get(
-        [
-            actor.__ray_call__.remote(_pin_threads, cores[start : start + n])
-            for (actor, _), start, n in zip(actors, starts, wanted, strict=True)
-        ]
-    )
+    refs = [
+        actor.__ray_call__.remote(_pin_threads, cores[start : start + n])
+        for (actor, _), start, n in zip(actors, starts, wanted, strict=True)
+    ]
+    try:
+        pinned = ray.get(refs, timeout=PIN_TIMEOUT_S)
+    except GetTimeoutError as e:
+        late = [i for i, ref in enumerate(refs) if ref in ray.wait(refs, num_returns=len(refs), timeout=0)[1]]
+        raise RuntimeError(
+            f"actors {[actors[i][0] for i in late]} did not answer the call that pins them to cores within "
+            f"{PIN_TIMEOUT_S:g} s; an actor may be stuck in a call of its own"
+        ) from e
     _pin_driver(cores[: wanted[0]], skip={pid for pids in pinned for pid in pids})
     return cores
 
