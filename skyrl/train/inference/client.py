@@ -123,7 +123,6 @@ class InferenceEngineClient:
         # re-sends the sender's current weights to every engine at `weight_version` (broadcast: in a new
         # group), for the syncs that keep no copy; without it their engines are not restarted
         self.weight_restorer: Callable[[], Awaitable[None]] | None = None
-        self._restoring: set[int] = set()  # restarted engines still waiting for the current weights
         self._restarting: dict[int, asyncio.Future] = {}  # restarts in progress, by engine index
         self._restart_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
 
@@ -227,9 +226,8 @@ class InferenceEngineClient:
         async with self._semaphore():
             while True:
                 index = self._route(session_id)
-                if index in self._restoring:  # restarted, not yet holding the current weights
-                    async with self._restart_guard():
-                        pass
+                if index in self._restarting:  # its engine is being replaced and given the current weights
+                    await asyncio.shield(self._restarting[index])
                 engine = self._engines[index]
                 self._in_flight[index] += 1
                 self._routed[index] += 1
@@ -438,7 +436,8 @@ class InferenceEngineClient:
         update in the object store and applies it; after a broadcast or shared-memory sync it keeps
         no copy and awaits `weight_restorer()`, which re-sends the weights to every engine (broadcast
         engines first join a new group: a group has a fixed size); without one the restart is
-        refused. Requests for the engine wait until it holds the current weights.
+        refused. Requests for the engine wait until it holds the current weights (when `generate`
+        restarted it).
         """
         needs_restorer = self._in_sync_group or bool(self._weight_version and self._latest_weights is None)
         if needs_restorer and self.weight_restorer is None:
@@ -466,11 +465,7 @@ class InferenceEngineClient:
         self._engines[index] = engine  # its requests in flight failed and were counted out
         if needs_restorer:
             assert self.weight_restorer is not None
-            self._restoring.add(index)
-            try:
-                await self.weight_restorer()
-            finally:
-                self._restoring.discard(index)
+            await self.weight_restorer()
         if self.on_restart is not None:
             await asyncio.to_thread(self.on_restart, index)
         logger.info("restarted inference engine %d", index)
