@@ -10,6 +10,9 @@ no Ray, no FSDP and no batching classes, computing full-vocabulary logits of glo
 decomposed step-wise, one row per turn; prints (i) skyrl on per-step rows with fixed-size
 micro-batches, (ii) skyrl with prefix-shared rows and token-budget micro-batches, (iii) the bare
 loop over the per-step rows; the last line is `ratio new/old` ((ii) over (i)).
+`--lora RANK`: the uniform workload through the worker with full fine-tuning and with rank-RANK LoRA
+adapters on every projection: trainable parameters, optimizer-state bytes, step time and peak memory
+of each; the last line is `ratio lora/full` (step time).
 Throughput counts loss tokens (the response tokens trained on); memory is the peak resident
 memory a process gained during the timed steps (CPU) or the peak allocated (GPU).
 
@@ -37,7 +40,7 @@ from skyrl.train.dataset.preprocess import (
     prefix_groups,
     trajectories_to_sequences,
 )
-from skyrl.train.schema import OptimizerConfig, PlacementConfig, PolicyConfig, TrainerConfig
+from skyrl.train.schema import LoRAConfig, OptimizerConfig, PlacementConfig, PolicyConfig, TrainerConfig
 from skyrl.train.training_batch import TrainingInputBatch
 from skyrl.train.utils.tiny_model import create_tiny_model
 from skyrl.train.workers.actor_group import ActorGroup, create_placement_group
@@ -143,13 +146,27 @@ def bare_torch_steps(model_path: str, batch: TrainingInputBatch, micro: int, ste
     return (time.perf_counter() - start) / steps, peak_memory_since(probe)
 
 
+def optimizer_footprint(worker: PolicyWorker) -> tuple[int, int]:
+    """A worker's trainable parameters and the bytes of its optimizer state (Adam's moments)."""
+    state = [t for s in worker.optimizer.state.values() for t in s.values() if t.dim() > 0]
+    return sum(p.numel() for p in worker._trainable()), sum(t.numel() * t.element_size() for t in state)
+
+
 def skyrl_steps(
-    model_path: str, batch: TrainingInputBatch, micro: int, max_tokens: int | None, steps: int, threads: int
-) -> tuple[float, float]:
-    """Seconds per optimizer step through ActorGroup.train (dispatch, object store, FSDP2 worker), and
-    the worker's peak memory growth."""
+    model_path: str,
+    batch: TrainingInputBatch,
+    micro: int,
+    max_tokens: int | None,
+    steps: int,
+    threads: int,
+    lora_rank: int = 0,
+) -> tuple[float, float, tuple[int, int]]:
+    """Seconds per optimizer step through ActorGroup.train (dispatch, object store, FSDP2 worker), the
+    worker's peak memory growth, and its trainable parameters and optimizer-state bytes."""
     cfg = TrainerConfig(
-        policy=PolicyConfig(optimizer=OptimizerConfig(lr=LR)),
+        policy=PolicyConfig(
+            optimizer=OptimizerConfig(lr=LR), lora=LoRAConfig(rank=lora_rank, alpha=2.0 * lora_rank)
+        ),
         micro_train_batch_size_per_gpu=micro,
         max_tokens_per_micro_batch=max_tokens,
         placement=PlacementConfig(cpus_per_worker=threads),
@@ -167,7 +184,7 @@ def skyrl_steps(
             group.train(group.stage(batch, bounds))
         seconds = (time.perf_counter() - start) / steps
         peak = ray.get(group.actors[0].__ray_call__.remote(lambda _, p: peak_memory_since(p), probe))
-        return seconds, peak
+        return seconds, peak, ray.get(group.actors[0].__ray_call__.remote(optimizer_footprint))
     finally:
         group.kill()
         ray.util.remove_placement_group(pg)
@@ -189,6 +206,7 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=8)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK", help="LoRA vs full fine-tuning")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ray.init(num_cpus=args.threads, include_dashboard=False, logging_level="warning")
@@ -205,13 +223,28 @@ def main() -> None:
             )
         )
         model = f"hidden {args.hidden} x {args.layers} layers, {args.threads} threads"
+        if args.lora:
+            batch = uniform_batch(args.sequences, args.length)
+            runs = {
+                name: skyrl_steps(path, batch, args.micro, None, args.steps, args.threads, rank)
+                for name, rank in (("full", 0), (f"lora rank {args.lora}", args.lora))
+            }
+            print(f"uniform: {args.sequences} x {args.length} tokens, {model}, micro-batch {args.micro}")
+            for name, (seconds, peak, (params, state)) in runs.items():
+                print(
+                    f"{name}: {params:,} trainable parameters, optimizer state {state * mib:.2f} MiB, "
+                    f"{seconds:.2f} s/step, peak +{peak * mib:.0f} MiB"
+                )
+            (full, *_), (lora, *_) = runs.values()
+            print(f"ratio lora/full {lora / full:.3f}")
+            return
         if args.workload == "uniform":
             batch = uniform_batch(args.sequences, args.length)
             loss_tokens = float(batch["loss_mask"].sum())
             bare, bare_mem = ray.get(
                 bare_torch_steps.remote(path, batch, args.micro, args.steps, args.threads)
             )
-            ours, ours_mem = skyrl_steps(path, batch, args.micro, None, args.steps, args.threads)
+            ours, ours_mem, _ = skyrl_steps(path, batch, args.micro, None, args.steps, args.threads)
             print(
                 f"uniform: {args.sequences} x {args.length} tokens, {model}, micro-batch {args.micro}: "
                 f"skyrl {loss_tokens / ours:,.0f} loss tokens/s (+{ours_mem * mib:.0f} MiB), "
@@ -230,12 +263,12 @@ def main() -> None:
             f"{loss_tokens:,.0f} loss tokens; the rows hold {tokens['batch/stepwise_tokens']:,.0f} tokens, "
             f"{tokens['batch/trained_tokens']:,.0f} prefix-shared, {per_step['sequences'].numel():,} padded"
         )
-        old, old_mem = skyrl_steps(path, per_step, args.micro, None, args.steps, args.threads)
+        old, old_mem, _ = skyrl_steps(path, per_step, args.micro, None, args.steps, args.threads)
         print(
             f"(i) skyrl, per-step rows, micro-batches of {args.micro} rows: {loss_tokens / old:,.0f} loss "
             f"tokens/s, {old:.2f} s/step, peak +{old_mem * mib:.0f} MiB"
         )
-        new, new_mem = skyrl_steps(path, shared, args.micro, args.max_tokens, args.steps, args.threads)
+        new, new_mem, _ = skyrl_steps(path, shared, args.micro, args.max_tokens, args.steps, args.threads)
         print(
             f"(ii) skyrl, prefix-shared rows, {args.max_tokens}-token micro-batches: {loss_tokens / new:,.0f} "
             f"loss tokens/s, {new:.2f} s/step, peak +{new_mem * mib:.0f} MiB"

@@ -115,7 +115,7 @@ def main() -> None:
     version = iter(range(1, 10_000))
 
     def object_store() -> None:
-        asyncio.run(client.update_weights(policy.full_state_dict_ref(), next(version)))
+        asyncio.run(client.update_weights(policy.rank0_ref("full_state_dict"), next(version)))
 
     group = WeightSyncGroup(*policy.rank0_free_port(), client.weight_sync_world_size, "gloo", timeout_s=120)
 

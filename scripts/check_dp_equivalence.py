@@ -11,7 +11,9 @@ Prints per-quantity relative differences, the training metrics (clip_frac,
 dual_clip_frac, approx_kl, ratio_*, entropy, kl_loss) included; the LAST line is the largest of the loss, grad-norm,
 gradient and metric relative differences over both comparisons (reviews read it).
 
-Usage: python scripts/check_dp_equivalence.py [--model PATH]
+With `--lora RANK` the policy (and critic) train rank-RANK LoRA adapters in every run, plain path included.
+
+Usage: python scripts/check_dp_equivalence.py [--model PATH] [--lora RANK]
 """
 
 from __future__ import annotations
@@ -33,7 +35,15 @@ from skyrl.train.dataset.preprocess import (
     prefix_groups,
     trajectories_to_sequences,
 )
-from skyrl.train.schema import AlgorithmConfig, ModelConfig, OptimizerConfig, PolicyConfig, TrainerConfig
+from skyrl.train.schema import (
+    AlgorithmConfig,
+    CriticConfig,
+    LoRAConfig,
+    ModelConfig,
+    OptimizerConfig,
+    PolicyConfig,
+    TrainerConfig,
+)
 from skyrl.train.training_batch import TrainingInputBatch
 from skyrl.train.workers.actor_group import ActorGroup, create_placement_group
 from skyrl.train.workers.fsdp_worker import CriticWorker, PolicyWorker
@@ -111,6 +121,7 @@ class Layout:
     share_prefixes: bool = False
     max_tokens: int | None = None  # token-budget micro-batches
     gradient_checkpointing: bool = False
+    lora_rank: int = 0  # LoRA adapters on the policy and critic (0: full fine-tuning)
 
 
 @dataclass
@@ -135,11 +146,14 @@ def train_two_steps(
     from transformers import AutoConfig
 
     layout = layout or Layout()
+    lora = LoRAConfig(rank=layout.lora_rank, alpha=2.0 * layout.lora_rank)
     cfg = TrainerConfig(
         policy=PolicyConfig(
             model=ModelConfig(gradient_checkpointing=layout.gradient_checkpointing),
             optimizer=OptimizerConfig(lr=1e-3, max_grad_norm=1.0),
+            lora=lora,
         ),
+        critic=CriticConfig(lora=lora),
         micro_train_batch_size_per_gpu=layout.micro_batch_size,
         micro_forward_batch_size_per_gpu=layout.micro_batch_size,
         max_tokens_per_micro_batch=layout.max_tokens,
@@ -248,7 +262,11 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", help="model directory (default: a fresh tiny model)")
+    parser.add_argument(
+        "--lora", type=int, default=0, metavar="RANK", help="train LoRA adapters of this rank"
+    )
     args = parser.parse_args()
+    plain_layout = Layout(lora_rank=args.lora)
     ray.init(num_cpus=4, include_dashboard=False, logging_level="warning")
     worst = 0.0
     with tempfile.TemporaryDirectory() as tmp:
@@ -259,12 +277,15 @@ def main() -> None:
         plain: dict[tuple[str, str], RunResult] = {}
         for name, estimator, reduction, layout in COMPARISONS:
             if (estimator, reduction) not in plain:
-                base = plain[estimator, reduction] = train_two_steps(args.model, None, estimator, reduction)
+                base = plain[estimator, reduction] = train_two_steps(
+                    args.model, plain_layout, estimator, reduction
+                )
                 print(f"plain {estimator}/{reduction}: losses {base.losses} grad norms {base.grad_norms}")
                 for step, metrics in enumerate(base.metrics):
                     print(f"  step {step} metrics " + " ".join(f"{k} {metrics[k]:.6g}" for k in METRICS))
             diffs = relative_differences(
-                plain[estimator, reduction], train_two_steps(args.model, layout, estimator, reduction)
+                plain[estimator, reduction],
+                train_two_steps(args.model, replace(layout, lora_rank=args.lora), estimator, reduction),
             )
             print(f"{name} vs plain: " + ", ".join(f"{k} {v:.3e}" for k, v in diffs.items()))
             worst = max(worst, headline(diffs))

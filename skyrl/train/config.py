@@ -324,6 +324,7 @@ def validate_config(cfg: SkyRLConfig) -> None:
         _require(not local or Path(path).exists(), f"{key}={path!r} does not exist; give an existing file.")
     validate_engine_config(g.inference_engine)
     validate_server_config(g.http_endpoint)
+    _validate_lora(cfg)
     _require(
         g.max_engine_restarts >= 0,
         f"generator.max_engine_restarts={g.max_engine_restarts} must be >= 0 (0: a dead engine ends the run), e.g. 3.",
@@ -401,6 +402,48 @@ def validate_config(cfg: SkyRLConfig) -> None:
 
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def _validate_lora(cfg: SkyRLConfig) -> None:
+    """The LoRA settings of the trained models, the adapter sync and the merged export."""
+    t, e = cfg.trainer, cfg.generator.inference_engine
+    for role in ("policy", "critic"):
+        key, lora = f"trainer.{role}.lora", getattr(t, role).lora
+        _require(lora.rank >= 0, f"{key}.rank={lora.rank} must be >= 0 (0 trains every parameter), e.g. 16.")
+        if lora.rank:
+            _require(lora.alpha > 0, f"{key}.alpha={lora.alpha} must be positive, e.g. {2 * lora.rank}.")
+            _require(0 <= lora.dropout < 1, f"{key}.dropout={lora.dropout} must be in [0, 1), e.g. 0.")
+            _require(
+                bool(lora.target_modules),
+                f"{key}.target_modules is empty; name the linear layers to adapt, e.g. [q_proj,v_proj].",
+            )
+    k, rank = "generator.inference_engine", t.policy.lora.rank
+    if e.lora_sync == "adapter":
+        _require(
+            rank > 0,
+            f"{k}.lora_sync=adapter sends LoRA adapters, but trainer.policy.lora.rank=0 (full fine-tuning); "
+            "set trainer.policy.lora.rank (e.g. 16) or lora_sync=merged.",
+        )
+        _require(
+            e.weight_sync in ("auto", "object_store"),
+            f"{k}.lora_sync=adapter sends the adapters through the object store, so {k}.weight_sync="
+            f"{e.weight_sync} would not apply; set {k}.weight_sync=auto, or lora_sync=merged.",
+        )
+        _require(
+            not t.policy.lora.modules_to_save,
+            f"{k}.lora_sync=adapter sends LoRA adapters only, but trainer.policy.lora.modules_to_save="
+            f"{list(t.policy.lora.modules_to_save)} train in full; use lora_sync=merged, or modules_to_save=[].",
+        )
+        _require(
+            e.max_lora_rank is None or e.max_lora_rank >= rank,
+            f"{k}.max_lora_rank={e.max_lora_rank} is below trainer.policy.lora.rank={rank}; set it to null "
+            "(the policy's rank) or higher.",
+        )
+    _require(
+        not t.export_merged or rank > 0,
+        "trainer.export_merged=true writes the merged model of a LoRA policy, but trainer.policy.lora.rank=0 "
+        "(its exports are the full model already); set trainer.policy.lora.rank or export_merged=false.",
+    )
 
 
 def register_schema() -> None:

@@ -51,10 +51,30 @@ class OptimizerConfig:
     min_lr_ratio: float = 0.0
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters (through peft): `rank` 0 trains every parameter (the default); above 0 the
+    model is frozen and only rank-`rank` adapters on `target_modules` (module names, e.g. q_proj; the
+    default: the attention and MLP projections) train, scaled by `alpha / rank`. `dropout` applies to
+    the adapters' inputs (above 0 the compute layouts no longer give identical gradients).
+    `modules_to_save` (peft's name) train in full beside the adapters: module names or their
+    endings, e.g. `model.norm` or `lm_head` (weights sync merged only)."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    modules_to_save: list[str] = field(default_factory=list)
+
+
 @dataclass
 class PolicyConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     bf16: bool = True  # GPU only, every worker (policy, ref, critic); CPU trains in fp32
     cpu_offload: bool = False  # GPU only
 
@@ -73,6 +93,7 @@ class CriticConfig:
         default_factory=lambda: ModelConfig(path=None)
     )  # null: the policy's, fresh value head
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=5e-6))
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # the value head always trains in full
     cpu_offload: bool = False  # GPU only
 
 
@@ -189,6 +210,8 @@ class TrainerConfig:
     max_ckpts_to_keep: int = 2
     resume_mode: str = "latest"  # latest | none | a checkpoint path
     hf_save_interval: int = 0  # steps between HF exports; the final policy is always exported
+    # with policy LoRA an export is the adapter (peft format); also write the merged model (export/merged)
+    export_merged: bool = False
     # optimizer steps with a non-finite loss or gradient are skipped; more than this many in a row end the run
     max_consecutive_skipped_steps: int = 5
     rpc_timeout_s: float = 1800.0  # the longest a call into the workers may take (a step, a checkpoint)
@@ -214,6 +237,9 @@ class SamplingConfig:
     top_k: int | None = None
 
 
+LORA_SYNCS = ("merged", "adapter")
+
+
 @dataclass
 class InferenceEngineConfig:
     """Engines and the client that routes to them.
@@ -228,7 +254,7 @@ class InferenceEngineConfig:
     hf_batch_wait_s: the `hf` engine keeps collecting requests while they keep
     arriving within this window before it starts a batch.
     max_concurrent_requests: requests the client has in flight over all engines.
-    weight_sync: how the trainer sends policy weights to the engines: `object_store`
+    weight_sync: how the trainer sends (merged) policy weights to the engines: `object_store`
     (full state dict through Ray), `broadcast` (a process group from policy rank 0
     to the engines: NCCL on GPU, gloo on CPU; engines need GPUs of their own), `ipc`
     (colocated engines only: each policy rank hands its engine one layer at a time
@@ -255,6 +281,10 @@ class InferenceEngineConfig:
     max_concurrent_requests: int = 1024
     weight_sync: str = "auto"
     weight_sync_timeout_s: float = 600.0
+    # with policy LoRA: `merged` sends base + scale * B @ A by `weight_sync`; `adapter` only the adapters
+    # (through the object store), which the engines serve as a LoRA adapter (a new one per version)
+    lora_sync: str = "merged"
+    max_lora_rank: int | None = None  # adapter sync: the largest rank the engines serve; null: the policy's
 
 
 @dataclass

@@ -52,7 +52,7 @@ from skyrl.train.dataset.prompt_dataset import PromptDataset, PromptLoader
 from skyrl.train.generator.base import build_generator, generate_checked
 from skyrl.train.generator.rollout import Episode, allowed_token_ids, rollout_metrics
 from skyrl.train.generator.stream import RolloutStream, episode_staleness
-from skyrl.train.inference import InferenceEngineClient
+from skyrl.train.inference import InferenceEngineClient, InferenceEngineConfig
 from skyrl.train.inference.openai_server import OpenAIServer
 from skyrl.train.inference.weight_sync import WeightSyncGroup
 from skyrl.train.schema import SkyRLConfig
@@ -121,7 +121,13 @@ class Trainer:
         train_set, self.eval_set = datasets
         self.loader = PromptLoader(train_set, t.train_batch_size, seed=t.seed, shuffle=cfg.data.shuffle)
         self.use_critic = t.algorithm.advantage_estimator == "gae"
-        self.use_ref = t.algorithm.use_kl_loss or t.algorithm.use_kl_in_reward
+        use_ref = t.algorithm.use_kl_loss or t.algorithm.use_kl_in_reward
+        self.lora_sync = cfg.generator.inference_engine.lora_sync if t.policy.lora.rank else None
+        # LoRA over the reference's own model: the policy with its adapters disabled is the reference
+        self.ref_from_policy = (
+            use_ref and bool(t.policy.lora.rank) and t.ref.model.path in (None, t.policy.model.path)
+        )
+        self.use_ref = use_ref and not self.ref_from_policy  # a reference worker of its own
         kl = t.algorithm.kl_ctrl
         self.kl_ctrl = (
             AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon)
@@ -205,6 +211,7 @@ class Trainer:
         `generator.max_engine_restarts` times per run."""
         e, restarts = self.cfg.generator.inference_engine, self.cfg.generator.max_engine_restarts
         if not self.colocated:
+            e = self._with_lora_rank(e)
             return InferenceEngineClient.from_config(e, self.model_path, max_restarts=restarts)
         strategies = [
             PlacementGroupSchedulingStrategy(placement_group=self._shared_pg, placement_group_bundle_index=i)
@@ -212,9 +219,16 @@ class Trainer:
         ]
         if self._engine_resources["num_gpus"]:
             e = replace(e, enable_sleep_mode=True)
+        e = self._with_lora_rank(e)
         return InferenceEngineClient.from_config(
             e, self.model_path, strategies, self._engine_resources, max_restarts=restarts
         )
+
+    def _with_lora_rank(self, e: InferenceEngineConfig) -> InferenceEngineConfig:
+        """Adapter sync: engines that serve adapters of the policy's LoRA rank (unless set higher)."""
+        if self.lora_sync != "adapter":
+            return e
+        return replace(e, max_lora_rank=e.max_lora_rank or self.cfg.trainer.policy.lora.rank)
 
     def _pin_to_cores(self) -> None:
         """Disaggregated on CPU: every engine and worker on cores of its own (`num_cpus_per_engine` x
@@ -252,7 +266,15 @@ class Trainer:
                 "join two ranks on one GPU), but trainer.placement.colocate_all=true; use weight_sync=ipc "
                 "(or auto), or placement=disaggregated"
             )
-        logger.info("weight sync: %s", mode)
+        if self.lora_sync == "adapter":  # a few MB: the object store, whatever the weights would take
+            mode = "object_store"
+        self.sync_bytes = self.policy.run("sync_nbytes", self.lora_sync == "adapter")[0]
+        logger.info(
+            "weight sync: %s%s, %.1f MB per engine",
+            mode,
+            f" (LoRA, {self.lora_sync})" if self.lora_sync else "",
+            self.sync_bytes / 1e6,
+        )
         if mode != "object_store":
             self.client.weight_restorer = self._resend_weights
         if mode == "broadcast":
@@ -323,6 +345,7 @@ class Trainer:
             "batch/pad_fraction": pad_fraction(policy_bounds, self.policy.num_workers),
             "dispatch/object_store_bytes": float(self._dispatch_bytes),
             "engine/restarts": float(self.client.restarts),
+            "sync/bytes_per_engine": float(self.sync_bytes),
             "trainer/worker_restarts": float(self.worker_restarts),
             **layout_metrics(
                 batch["prefix_group"], batch["attention_mask"], batch.metadata["trajectory_ids"]
@@ -498,6 +521,9 @@ class Trainer:
         if self.ref is not None:
             staged = self._stage(self.ref, batch, t.policy_mini_batch_size)
             batch["ref_logprobs"] = self.ref.forward(staged)["logprobs"]
+        elif self.ref_from_policy:
+            staged = self._stage(self.policy, batch, t.policy_mini_batch_size)
+            batch["ref_logprobs"] = self.policy.forward(staged, adapters=False)["logprobs"]
         if self.critic is not None:
             staged = self._stage(self.critic, batch, t.critic_mini_batch_size)
             batch["old_values"] = self.critic.forward(staged)["values"]
@@ -506,7 +532,7 @@ class Trainer:
         a = self.cfg.trainer.algorithm
         metrics: dict[str, float] = {}
         rewards = batch["rewards"]
-        if self.ref is not None:
+        if "ref_logprobs" in batch:
             kl = kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], a.kl_estimator)
             metrics["kl/mean"] = float(masked_mean(kl, batch["loss_mask"]))
             if a.use_kl_in_reward:
@@ -604,8 +630,10 @@ class Trainer:
     def _weight_update(self, version: int, resend: bool = False) -> partial[Awaitable[None]]:
         """The engine-client call that sends the policy's weights as `version` by `weight_sync` (with
         `resend`, the engines' current version again)."""
+        if self.lora_sync == "adapter":
+            return partial(self.client.update_weights, self.policy.rank0_ref("adapter_state_dict"), version)
         if self.weight_sync == "object_store":
-            return partial(self.client.update_weights, self.policy.full_state_dict_ref(), version)
+            return partial(self.client.update_weights, self.policy.rank0_ref("full_state_dict"), version)
         spec = self.policy.run("weight_stream_spec")[0]
         if self.weight_sync == "broadcast":
             send = partial(self.policy.run_async, "broadcast_weights")
@@ -803,7 +831,13 @@ class Trainer:
         if self.step == t.total_steps or (t.hf_save_interval and self.step % t.hf_save_interval == 0):
             export = self.run_dir / "hf_model" / f"global_step_{self.step}"
             self.policy.run("save_hf_model", str(export))
-            progress.write(f"exported the policy (from_pretrained-ready): {export}")
+            if self.lora_sync is None:
+                what = "from_pretrained-ready"
+            else:
+                what = "LoRA adapter for PeftModel.from_pretrained" + (
+                    ", merged model in merged/" if t.export_merged else ""
+                )
+            progress.write(f"exported the policy ({what}): {export}")
         return metrics
 
     def shutdown(self) -> None:

@@ -19,6 +19,7 @@ from skyrl.train.dataset.preprocess import Trajectory, Turn, mask_groups
 from skyrl.train.generator.rollout import Episode
 from skyrl.train.trainer import ENDPOINT_FILE, Trainer, load_datasets, rewards_tie, skipped_in_a_row
 from skyrl.train.utils.errors import ConfigError
+from skyrl.train.utils.tiny_model import create_tiny_model
 from skyrl.train.utils.tracking import read_metrics
 from skyrl.train.workers.actor_group import WorkerDiedError, latest_checkpoint
 
@@ -32,6 +33,9 @@ SMALL = [
     "trainer.logger=[jsonl]",
     f"generator.inference_engine.{KV}",
 ]
+
+
+LORA = ["trainer.policy.lora.rank=8", "trainer.policy.lora.alpha=16"]
 
 
 def build(cfg, run_dir, model_path, cls=Trainer) -> Trainer:
@@ -72,6 +76,40 @@ def test_grpo_learns_guess_number(ray_cluster, tiny_model_path, tmp_path):
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last > first + 0.06, rewards
     assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 101))
+
+
+def test_lora_learns_guess_number_with_adapter_sync_and_the_disabled_adapter_as_reference(
+    ray_cluster, tmp_path
+):
+    """The learning test's task and margin with rank-8 adapters, the engine serving them as a vLLM LoRA
+    adapter, and a KL loss whose reference is the policy with its adapters disabled (no reference
+    worker). The tiny model is initialised with pretrained-like logit scales: with the default one's
+    (initializer_range 0.02) frozen embeddings and norm keep every token below ~1% (see
+    `create_tiny_model`), and the reward stays flat (measured: 100 steps at lr 1e-2 and 5e-2)."""
+    model = create_tiny_model(tmp_path / "model", initializer_range=0.2)
+    overrides = [
+        f"trainer.policy.model.path={model}",
+        "trainer.total_steps=100",
+        "trainer.logger=[jsonl]",
+        f"generator.inference_engine.{KV}",
+        *LORA,
+        "trainer.policy.optimizer.lr=5e-3",
+        "generator.inference_engine.lora_sync=adapter",
+        "trainer.algorithm.use_kl_loss=true",
+    ]
+    trainer = build(compose_config(overrides), tmp_path / "run", model)
+    try:
+        assert trainer.ref is None and trainer.ref_from_policy
+        merged_bytes = trainer.policy.run("sync_nbytes", False)[0]
+        history = trainer.fit()
+    finally:
+        trainer.shutdown()
+    rewards = [round(m["reward/mean"], 3) for m in history]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last > first + 0.06, rewards
+    assert history[0]["kl/mean"] == 0 < history[-1]["kl/mean"]  # the policy starts as its reference
+    assert max(m["policy/rollout_logprob_gap"] for m in history) < 1e-4  # the engine serves the adapters
+    assert history[0]["sync/bytes_per_engine"] < 0.2 * merged_bytes
 
 
 def test_resume_after_a_kill_continues_like_an_uninterrupted_run(ray_cluster, tiny_model_path, tmp_path):
@@ -498,8 +536,17 @@ def test_skipped_optimizer_steps_in_a_row_end_the_run_past_the_limit():
             "generator.inference_engine.backend=hf",
         ],
         ["generator.inference_engine.weight_sync=ipc", "generator.inference_engine.backend=hf"],
+        # LoRA: merged weights streamed from two ranks, and adapters (the restarted engine loads the latest)
+        [
+            *LORA,
+            "generator.inference_engine.weight_sync=broadcast",
+            "placement=disaggregated",
+            "generator.inference_engine.backend=hf",
+            "trainer.placement.policy_num_gpus_per_node=2",
+        ],
+        [*LORA, "generator.inference_engine.lora_sync=adapter"],
     ],
-    ids=["object_store", "broadcast", "ipc"],
+    ids=["object_store", "broadcast", "ipc", "lora_merged_broadcast_dp2", "lora_adapter"],
 )
 def test_a_run_survives_a_dead_engine(sync, ray_cluster, tiny_model_path, tmp_path):
     """An engine killed between steps is restarted with the current weights when the next step's

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 
-from skyrl.train.schema import InferenceEngineConfig, OpenAIServerConfig
+from skyrl.train.schema import LORA_SYNCS, InferenceEngineConfig, OpenAIServerConfig
 from skyrl.train.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ def validate_engine_config(cfg: InferenceEngineConfig) -> None:
     _choice(k, "device", cfg.device, DEVICES)
     _choice(k, "dtype", cfg.dtype, DTYPES)
     _choice(k, "weight_sync", cfg.weight_sync, WEIGHT_SYNCS)
+    _choice(k, "lora_sync", cfg.lora_sync, LORA_SYNCS)
     for name, example in [
         ("num_engines", "1"),
         ("tensor_parallel_size", "1"),

@@ -30,6 +30,11 @@ from skyrl.train.inference.shared_weights import SharedGroup, open_shared
 from skyrl.train.inference.weight_sync import WeightSyncGroup, init_sync_group, receive_group, sync_device
 from skyrl.train.inference.weights import (
     StreamSpec,
+    WeightUpdateError,
+    adapter_modules,
+    is_adapter_update,
+    lora_target_names,
+    validate_adapter_update,
     validate_stream_spec,
     validate_weight_update,
     weight_spec_from_model,
@@ -163,6 +168,7 @@ class HFEngine(InferenceEngine):
         self._max_model_len = cfg.max_model_len or model.config.max_position_embeddings
         self._vocab_size = model.get_input_embeddings().num_embeddings
         self._spec = weight_spec_from_model(model)
+        self._adapter_layout: tuple[list[str], int] | None = None  # modules and rank of injected adapters
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
         self._sync_group = None  # joined by init_weight_sync
         self._sync_device = self._device
@@ -311,10 +317,34 @@ class HFEngine(InferenceEngine):
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     async def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Also takes LoRA adapters (`weights.is_adapter_update`), applied with peft on top of the
+        checkpoint's weights (injected at the first adapter update; later ones must match its layout)."""
         self._check_serving()
+        if is_adapter_update(named_tensors):
+            layout = (adapter_modules(named_tensors), validate_adapter_update(named_tensors, self._spec))
+            if self._adapter_layout not in (None, layout):
+                raise WeightUpdateError(
+                    f"rejected adapter update: rank {layout[1]} on {len(layout[0])} modules, but this engine "
+                    f"serves rank {self._adapter_layout[1]} on {len(self._adapter_layout[0])} modules."
+                )
+            await self._on_thread(self._load_adapter, named_tensors, layout)
+            self._weight_version = version
+            return
         validate_weight_update(named_tensors, self._spec)
         await self._on_thread(self._model.load_state_dict, named_tensors, False)
         self._weight_version = version
+
+    def _load_adapter(self, named_tensors: dict[str, torch.Tensor], layout: tuple[list[str], int]) -> None:
+        from peft import LoraConfig, inject_adapter_in_model
+
+        modules, rank = layout
+        if self._adapter_layout is None:  # B carries the scale: lora_alpha = rank
+            config = LoraConfig(r=rank, lora_alpha=rank, target_modules=lora_target_names(modules))
+            inject_adapter_in_model(config, self._model)
+            self._adapter_layout = layout
+        state = {name.replace(".weight", ".default.weight"): t for name, t in named_tensors.items()}
+        unexpected = self._model.load_state_dict(state, strict=False).unexpected_keys
+        assert not unexpected, f"adapter tensors the injected model lacks: {unexpected[:3]}"
 
     async def init_weight_sync(self, group: WeightSyncGroup, rank_offset: int) -> None:
         self._sync_group = await self._on_thread(init_sync_group, group, rank_offset)

@@ -14,6 +14,7 @@ import glob
 import itertools
 import logging
 import os
+import tempfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -34,7 +35,11 @@ from skyrl.train.inference.shared_weights import SharedGroup, open_shared
 from skyrl.train.inference.weight_sync import WeightSyncGroup, init_sync_group, receive_group, sync_device
 from skyrl.train.inference.weights import (
     StreamSpec,
+    WeightUpdateError,
     checkpoint_weight_spec,
+    is_adapter_update,
+    save_peft_adapter,
+    validate_adapter_update,
     validate_stream_spec,
     validate_weight_update,
 )
@@ -58,6 +63,10 @@ class VLLMEngine(InferenceEngine):
         ):
             os.environ.update(_cpu_thread_binding(cfg.tensor_parallel_size))
         _quiet_partial_reload_warnings()
+        self._max_lora_rank = _vllm_lora_rank(cfg.max_lora_rank) if cfg.lora_sync == "adapter" else 0
+        self._lora_ids = itertools.count(1)
+        self._lora: Any = None  # the LoRARequest new requests are served with (the latest adapter update)
+        self._previous_lora: Any = None  # kept loaded for requests still in flight on it
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-engine")
         self._engine = self._thread.submit(self._create_engine, cfg).result()
         model_config = self._engine.model_config
@@ -80,6 +89,8 @@ class VLLMEngine(InferenceEngine):
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
+        # adapter sync: the latest adapter, and the one before it for requests still in flight
+        lora = {"enable_lora": True, "max_lora_rank": self._max_lora_rank, "max_loras": 2}
         kv_bytes = cfg.kv_cache_memory_bytes
         if kv_bytes is None and not self._on_gpu:
             kv_bytes = CPU_KV_CACHE_BYTES
@@ -97,6 +108,7 @@ class VLLMEngine(InferenceEngine):
             enable_sleep_mode=self._sleep_enabled,
             seed=cfg.seed,
             logprobs_mode="processed_logprobs",
+            **(lora if self._max_lora_rank else {}),
         )
         return LLMEngine.from_engine_args(args)
 
@@ -136,7 +148,7 @@ class VLLMEngine(InferenceEngine):
         request_id = str(next(self._ids))
         future = asyncio.get_running_loop().create_future()
         self._futures[request_id] = (future, self._weight_version)
-        self._to_add.append((request_id, prompt, self._sampling_params(sampling_params)))
+        self._to_add.append((request_id, prompt, self._sampling_params(sampling_params), self._lora))
         self._wake_loop()
         try:
             output = await future
@@ -190,7 +202,7 @@ class VLLMEngine(InferenceEngine):
             if not self._futures and not self._to_add and not self._to_abort:
                 self._work.clear()
 
-    def _step(self, to_add: list[tuple[str, list[int], Any]], to_abort: list[str]):
+    def _step(self, to_add: list[tuple[str, list[int], Any, Any]], to_abort: list[str]):
         """Runs on the engine thread: abort, add, then one engine step; returns finished outputs and add errors."""
         from vllm.inputs import TokensPrompt
 
@@ -198,11 +210,13 @@ class VLLMEngine(InferenceEngine):
             self._engine.abort_request(to_abort)
         aborted = set(to_abort)
         errors: dict[str, Exception] = {}
-        for request_id, prompt, params in to_add:
+        for request_id, prompt, params, lora in to_add:
             if request_id in aborted:
                 continue
             try:
-                self._engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
+                self._engine.add_request(
+                    request_id, TokensPrompt(prompt_token_ids=prompt), params, lora_request=lora
+                )
             except ValueError as exc:  # a request vLLM refuses fails alone
                 errors[request_id] = exc
         outputs = self._engine.step() if self._engine.has_unfinished_requests() else []
@@ -212,11 +226,35 @@ class VLLMEngine(InferenceEngine):
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     async def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Also takes LoRA adapters (`weights.is_adapter_update`): they are served, on top of the
+        checkpoint's weights, to the requests submitted from then on."""
         self._check_serving()
+        if is_adapter_update(named_tensors):
+            rank = validate_adapter_update(named_tensors, self._spec)
+            if rank > self._max_lora_rank:
+                raise WeightUpdateError(
+                    f"rejected adapter update of rank {rank}: this engine serves adapters up to rank "
+                    f"{self._max_lora_rank} (generator.inference_engine.lora_sync=adapter and max_lora_rank)."
+                )
+            await self._on_thread(self._load_adapter, named_tensors, rank)
+            self._weight_version = version
+            return
         validate_weight_update(named_tensors, self._spec)
         weights = [(name, t.to(self._dtype)) for name, t in named_tensors.items()]
         await self._on_thread(self._reload, weights)
         self._weight_version = version
+
+    def _load_adapter(self, named_tensors: dict[str, torch.Tensor], rank: int) -> None:
+        from vllm.lora.request import LoRARequest
+
+        lora_id = next(self._lora_ids)
+        with tempfile.TemporaryDirectory(prefix="skyrl-lora-") as path:  # vLLM loads adapters from files
+            save_peft_adapter(path, named_tensors, alpha=rank)  # B carries the scale: alpha / rank = 1
+            request = LoRARequest(f"policy-{lora_id}", lora_id, path)
+            if self._previous_lora is not None:
+                self._engine.remove_lora(self._previous_lora.lora_int_id)
+            self._engine.add_lora(request)
+        self._previous_lora, self._lora = self._lora, request
 
     def _reload(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
@@ -325,6 +363,17 @@ def _receive_weights(worker: Any, spec: StreamSpec) -> None:
 def _load_shared_group(worker: Any, group: SharedGroup) -> None:
     """Runs on every vLLM worker: map the shared group and load it (each worker keeps its own shard)."""
     worker.reload_weights(weights_iterator=open_shared(group))
+
+
+def _vllm_lora_rank(rank: int | None) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that holds `rank` (it takes 1, 8, 16, 32, ... only)."""
+    if not rank:
+        return 0
+    allowed = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+    fits = [r for r in allowed if r >= rank]
+    if not fits:
+        raise ValueError(f"vLLM serves LoRA adapters up to rank {allowed[-1]}, not {rank}")
+    return fits[0]
 
 
 def _cpu_thread_binding(tensor_parallel_size: int) -> dict[str, str]:

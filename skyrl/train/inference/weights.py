@@ -8,6 +8,7 @@ validated first: names, shapes, floating dtypes, and fused groups complete.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import torch
 
@@ -100,3 +101,97 @@ def validate_stream_spec(spec: StreamSpec, model_spec: WeightSpec) -> None:
             },
             model_spec,
         )
+
+
+# ---------------------------------------------------------------------------
+# LoRA adapters: `<module>.lora_A.weight` [rank, in] and `<module>.lora_B.weight` [out, rank] for a
+# linear `<module>.weight` [out, in] of the model; B carries the scale (alpha / rank), so an engine
+# computes W x + B A x.
+# ---------------------------------------------------------------------------
+
+ADAPTER_PARTS = (".lora_A.weight", ".lora_B.weight")
+
+
+def lora_target_names(modules: Iterable[str]) -> list[str]:
+    """peft's `target_modules` for adapters on `modules`: their last name components (q_proj, ...)."""
+    return sorted({m.rsplit(".", 1)[-1] for m in modules})
+
+
+def is_adapter_update(named_tensors: Mapping[str, torch.Tensor]) -> bool:
+    """Whether an update carries LoRA adapters (every name ends in `ADAPTER_PARTS`) rather than weights."""
+    return bool(named_tensors) and all(name.endswith(ADAPTER_PARTS) for name in named_tensors)
+
+
+def adapter_modules(named_tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """The module names an adapter update targets (`model.layers.0.self_attn.q_proj`, ...), sorted."""
+    return sorted({name.rsplit(".", 2)[0] for name in named_tensors})
+
+
+def validate_adapter_update(named_tensors: Mapping[str, torch.Tensor], spec: WeightSpec) -> int:
+    """The adapters' rank; `WeightUpdateError` listing every problem: a name that is not an adapter part,
+    a module the model lacks, an A without its B (or the reverse), shapes that do not fit the module's
+    weight, ranks that differ, a non-floating dtype."""
+    problems = [
+        f"{n} is not a LoRA adapter part {ADAPTER_PARTS}"
+        for n in named_tensors
+        if not n.endswith(ADAPTER_PARTS)
+    ]
+    ranks = set()
+    for module in adapter_modules(named_tensors):
+        a, b = (named_tensors.get(module + part) for part in ADAPTER_PARTS)
+        weight = spec.get(f"{module}.weight")
+        if weight is None or len(weight) != 2:
+            problems.append(f"{module} is not a linear layer of the model")
+        elif a is None or b is None:
+            problems.append(f"{module} needs both lora_A and lora_B")
+        elif not (a.is_floating_point() and b.is_floating_point()):
+            problems.append(f"{module}'s adapters have dtypes {a.dtype} / {b.dtype}, not floating point")
+        elif (
+            a.dim() != 2
+            or b.dim() != 2
+            or a.shape[1] != weight[1]
+            or b.shape[0] != weight[0]
+            or a.shape[0] != b.shape[1]
+        ):
+            problems.append(
+                f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit its weight {weight} "
+                "(need [rank, in] and [out, rank])"
+            )
+        else:
+            ranks.add(a.shape[0])
+    if len(ranks) > 1:
+        problems.append(f"the adapters have different ranks {sorted(ranks)}")
+    if not named_tensors:
+        problems.append("the update is empty")
+    if problems:
+        raise WeightUpdateError("rejected adapter update, nothing was loaded: " + "; ".join(problems) + ".")
+    return ranks.pop()
+
+
+def save_peft_adapter(
+    path: str | Path,
+    named_tensors: Mapping[str, torch.Tensor],
+    alpha: float,
+    base_model: str | None = None,
+    full: Mapping[str, torch.Tensor] | None = None,
+) -> None:
+    """Write an adapter update in peft's format (`adapter_config.json`, `adapter_model.safetensors`), which
+    `PeftModel.from_pretrained` and vLLM's `LoRARequest` load; `full` holds the weights of modules trained
+    in full (peft's `modules_to_save`), under the model's names."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    modules = adapter_modules(named_tensors)
+    rank = named_tensors[modules[0] + ADAPTER_PARTS[0]].shape[0]
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=lora_target_names(modules),
+        modules_to_save=sorted({n.rsplit(".", 1)[0] for n in full or {}}) or None,
+        base_model_name_or_path=base_model,
+    )
+    Path(path).mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(path))
+    named = {**named_tensors, **(full or {})}
+    tensors = {f"base_model.model.{n}": t.detach().cpu().contiguous() for n, t in named.items()}
+    save_file(tensors, str(Path(path) / "adapter_model.safetensors"))

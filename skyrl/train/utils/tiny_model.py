@@ -44,8 +44,13 @@ def create_tiny_model(
     intermediate_size: int = 256,
     vocab_size: int = 512,
     seed: int = 0,
+    initializer_range: float = 0.02,
 ) -> Path:
     """Write a randomly initialised Qwen2 model and its tokenizer to `path`; returns the path.
+
+    `initializer_range` is the weights' standard deviation; with 0.02 (HF's default) the logits of the
+    tied embeddings stay within about +-1.3, so a model whose embeddings and final norm are frozen
+    (LoRA) cannot make any token likelier than ~1%; 0.2 gives pretrained-like logit scales.
 
     head_dim = hidden_size / num_heads must be one vLLM's CPU attention supports
     (32, 64, 80, 96, 112, 128, ...); the default is 32. Deterministic for a seed.
@@ -80,6 +85,7 @@ def create_tiny_model(
         num_key_value_heads=num_heads,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
+        initializer_range=initializer_range,
         bos_token_id=hf_tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         eos_token_id=hf_tokenizer.eos_token_id,
         pad_token_id=hf_tokenizer.pad_token_id,

@@ -252,12 +252,12 @@ class ActorGroup:
             self.num_workers, data, mini_batch_boundaries, balance, delay_split, cost_weight
         )
 
-    def _run_staged(self, method: str, mini: StagedMiniBatch) -> list[Any]:
+    def _run_staged(self, method: str, mini: StagedMiniBatch, **kwargs: Any) -> list[Any]:
         extra = (
             {"dp_size": self.num_workers, "balance": mini.balance, "cost_weight": mini.cost_weight}
             if mini.delayed
             else {}
-        )
+        ) | kwargs
         return self._get(
             [
                 getattr(actor, method).remote(*mini.refs(rank), **extra)
@@ -266,9 +266,10 @@ class ActorGroup:
             method,
         )
 
-    def forward(self, staged: Sequence[StagedMiniBatch]) -> TrainingInputBatch:
-        """Per-row forward outputs (`logprobs` or `values`) of the staged rows, in order, pads removed."""
-        return MeshDispatch.gather(staged, [self._run_staged("forward", mini) for mini in staged])
+    def forward(self, staged: Sequence[StagedMiniBatch], **kwargs: Any) -> TrainingInputBatch:
+        """Per-row forward outputs (`logprobs` or `values`) of the staged rows, in order, pads removed;
+        `kwargs` go to every rank's `forward` (e.g. `adapters=False`)."""
+        return MeshDispatch.gather(staged, [self._run_staged("forward", mini, **kwargs) for mini in staged])
 
     def train(self, staged: Sequence[StagedMiniBatch]) -> list[dict[str, float]]:
         """One optimizer step per staged mini-batch; the metrics of each step (equal on every rank)."""
@@ -283,11 +284,12 @@ class ActorGroup:
     def full_state_dict(self) -> dict:
         return self.run("full_state_dict")[0]
 
-    def full_state_dict_ref(self) -> ray.ObjectRef:
-        """Rank 0's full state dict, left in the object store (engines fetch it without a driver copy)."""
-        refs = [actor.full_state_dict.remote() for actor in self.actors]
-        self._wait(refs, "full_state_dict")  # a collective: every rank must finish
-        self._raise_if_dead(list(range(self.num_workers)), "full_state_dict")  # results are not fetched here
+    def rank0_ref(self, method: str) -> ray.ObjectRef:
+        """Rank 0's result of the collective `method` (e.g. `full_state_dict`), left in the object store
+        (engines fetch it without a driver copy)."""
+        refs = [getattr(actor, method).remote() for actor in self.actors]
+        self._wait(refs, method)  # a collective: every rank must finish
+        self._raise_if_dead(list(range(self.num_workers)), method)  # results are not fetched here
         return refs[0]
 
     def kill(self) -> None:

@@ -10,12 +10,13 @@ micro-batch size give the gradient of the same whole-mini-batch loss.
 from __future__ import annotations
 
 import abc
+import contextlib
 import importlib.util
 import logging
 import math
 import os
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,10 +45,24 @@ from skyrl.train.algorithms import (
     reduction_counts,
     value_loss,
 )
-from skyrl.train.schema import CriticConfig, OptimizerConfig, PolicyConfig, RefConfig, TrainerConfig
+from skyrl.train.schema import (
+    CriticConfig,
+    LoRAConfig,
+    OptimizerConfig,
+    PolicyConfig,
+    RefConfig,
+    TrainerConfig,
+)
 from skyrl.train.training_batch import TrainingInputBatch, partition_rows, row_groups
 from skyrl.train.utils.seqlen_balancing import attention_aware_cost, attention_cost_weight
 from skyrl.train.workers.layout import TokenLayout, build_layout, plan_micro_batches, unit_tokens
+from skyrl.train.workers.lora import (
+    adapter_tensors,
+    adapters_disabled,
+    add_adapters,
+    is_adapter_name,
+    merge_adapters,
+)
 
 if TYPE_CHECKING:  # the weight-sync helpers import Ray: a worker loads them only when it syncs
     from skyrl.train.inference.weight_sync import WeightSyncGroup
@@ -110,6 +125,7 @@ class FSDPWorker:
     """
 
     role: str  # the section of `trainer` this worker's model is configured by: policy | ref | critic
+    full_heads: tuple[str, ...] = ()  # modules that train in full when the rest is frozen for LoRA
 
     def __init__(
         self,
@@ -137,6 +153,18 @@ class FSDPWorker:
     def section(self) -> PolicyConfig | RefConfig | CriticConfig:
         """This worker's model section: `trainer.policy`, `trainer.ref` or `trainer.critic`."""
         return getattr(self.cfg, self.role)
+
+    @property
+    def lora(self) -> LoRAConfig | None:
+        """This worker's LoRA settings when it trains adapters (`trainer.<role>.lora.rank` > 0), else None."""
+        lora = getattr(self.section, "lora", None)
+        return lora if lora is not None and lora.rank > 0 else None
+
+    @property
+    def lora_scaling(self) -> float:
+        """What B @ A is multiplied by: alpha / rank."""
+        assert self.lora is not None, "lora_scaling of a worker without LoRA"
+        return self.lora.alpha / self.lora.rank
 
     # ---- setup ----
     def init_process_group(self, master_addr: str, master_port: int) -> None:
@@ -168,7 +196,10 @@ class FSDPWorker:
                 f"{'missing' if importlib.util.find_spec('flash_attn') is None else 'installed'}); use sdpa"
             )
         self.packed = implementation == "flash_attention_2"  # varlen kernels: no padding at all
-        model = self._load_model(attn_implementation=implementation).to(self.device)
+        model = self._load_model(attn_implementation=implementation)
+        if self.lora is not None:  # the same seed on every rank: every rank starts from the same adapters
+            add_adapters(model, self.lora, f"trainer.{self.role}.lora", self.full_heads)
+        model = model.to(self.device)
         if settings.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         root = TokenModel(model)
@@ -271,20 +302,23 @@ class FSDPWorker:
         dp_size: int | None = None,
         balance: bool = False,
         cost_weight: float | None = None,
+        adapters: bool = True,
     ) -> TrainingInputBatch:
         """Per-row outputs (`logprobs`, or `values` for the critic) of this rank's rows, in their order.
 
         `parts` hold different fields of the same rows (staged separately, see
         `dispatch`). With `dp_size` set, they cover a whole mini-batch and this rank
         takes its part (the delayed split); otherwise they are already this rank's part.
+        `adapters=False` computes the base model's outputs (LoRA: the reference policy).
         """
         data = self._own_part(TrainingInputBatch.merge(parts), dp_size, balance, cost_weight)
         self.model.eval()
         outputs: dict[str, torch.Tensor] = {}
-        for indices, mb in self._micro_batches(data, self.cfg.micro_forward_batch_size_per_gpu):
-            for key, value in self._output(mb.to(self.device)).items():
-                outputs.setdefault(key, value.new_zeros(len(data), value.shape[1], device="cpu"))
-                outputs[key][indices] = value.cpu()
+        with contextlib.nullcontext() if adapters or self.lora is None else adapters_disabled(self.model):
+            for indices, mb in self._micro_batches(data, self.cfg.micro_forward_batch_size_per_gpu):
+                for key, value in self._output(mb.to(self.device)).items():
+                    outputs.setdefault(key, value.new_zeros(len(data), value.shape[1], device="cpu"))
+                    outputs[key][indices] = value.cpu()
         return TrainingInputBatch(outputs)
 
     def _own_part(
@@ -296,10 +330,43 @@ class FSDPWorker:
 
     # ---- inspection, export ----
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The whole model's weights on rank 0, on CPU (collective; None elsewhere)."""
+        """The whole model's weights on rank 0, on CPU, under the checkpoint's names (with LoRA: merged,
+        base + alpha / rank * B @ A); collective, None elsewhere."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.model, options=options)
-        return state if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        return merge_adapters(state, self.lora_scaling) if self.lora is not None else state
+
+    def adapter_state_dict(self, scaled: bool = True) -> dict[str, torch.Tensor] | None:
+        """LoRA only: the adapters on rank 0, on CPU, as `<module>.lora_A.weight` / `.lora_B.weight`, B
+        times alpha / rank when `scaled` (what engines load; see `inference.weights`); collective, None
+        elsewhere. Only the adapters are gathered."""
+        state = self._gathered(name for name, _ in self.model.named_parameters() if is_adapter_name(name))
+        if self.rank != 0:
+            return None
+        return adapter_tensors(state, self.lora_scaling if scaled else 1.0)
+
+    def sync_nbytes(self, adapters: bool) -> int:
+        """Bytes one weight sync sends each engine: the LoRA adapters (`adapters`), or the (merged) weights."""
+        if adapters:
+            tensors = [p for name, p in self.model.named_parameters() if is_adapter_name(name)]
+        else:
+            tensors = [t for group in self._engine_groups_meta() for t in group.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _gathered(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Whole copies of the named parameters, on CPU (collective: every rank, the same names)."""
+        params = dict(self.model.named_parameters())
+        return {
+            name: (params[name].full_tensor() if isinstance(params[name], DTensor) else params[name])
+            .detach()
+            .cpu()
+            for name in names
+        }
+
+    def _trainable(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def _param_groups(self) -> list[dict[str, torch.Tensor]]:
         # the state dict, not named_parameters: a tied lm_head must travel under its own name too
@@ -310,14 +377,29 @@ class FSDPWorker:
             groups.setdefault(key, {})[name] = param
         return list(groups.values())
 
+    def _engine_group(self, group: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A weight group as engines take it: the checkpoint's names, adapters merged (LoRA)."""
+        return merge_adapters(group, self.lora_scaling) if self.lora is not None else group
+
+    def _engine_groups_meta(self) -> list[dict[str, torch.Tensor]]:
+        """What `iter_weight_groups` yields, as meta tensors (names, shapes, dtypes; no communication)."""
+        return [
+            self._engine_group(
+                {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in group.items()}
+            )
+            for group in self._param_groups()
+        ]
+
     def iter_weight_groups(self) -> Iterator[dict[str, torch.Tensor]]:
-        """Full weights one decoder layer at a time (then the rest), for streaming to engines.
+        """Full weights one decoder layer at a time (then the rest), for streaming to engines; with LoRA
+        merged (base + alpha / rank * B @ A) under the checkpoint's names.
 
         A layer travels whole, so fused engine weights (q/k/v, gate/up) arrive together.
         Collective: every rank iterates; the tensors are complete on every rank.
         """
         for params in self._param_groups():
-            yield {name: p.full_tensor() if isinstance(p, DTensor) else p for name, p in params.items()}
+            full = {name: p.full_tensor() if isinstance(p, DTensor) else p for name, p in params.items()}
+            yield self._engine_group(full)
 
     # ---- broadcast weight sync ----
     def init_weight_sync(self, group: WeightSyncGroup) -> None:
@@ -331,7 +413,7 @@ class FSDPWorker:
         """What `broadcast_weights` and `share_weights` send, in order (full shapes; no communication)."""
         from skyrl.train.inference.weights import stream_spec
 
-        return stream_spec(self._param_groups())
+        return stream_spec(self._engine_groups_meta())
 
     def broadcast_weights(self) -> None:
         """Collective over the ranks: gather one weight group at a time; rank 0 broadcasts it to the engines."""
@@ -351,7 +433,7 @@ class FSDPWorker:
         groups = self.iter_weight_groups()
         try:
             if self.rank < len(engines):
-                nbytes = max(packed_nbytes(g.values()) for g in self._param_groups())
+                nbytes = max(packed_nbytes(g.values()) for g in self._engine_groups_meta())
                 device = next(self.model.parameters()).device
                 send_shared(engines[self.rank], groups, nbytes, device, version)
         finally:
@@ -359,14 +441,40 @@ class FSDPWorker:
                 pass
 
     def save_hf_model(self, path: str) -> None:
-        """`save_pretrained` of the full model and its tokenizer to `path`, from rank 0 (collective)."""
+        """`save_pretrained` of the full model and its tokenizer to `path`, from rank 0 (collective).
+
+        With LoRA, `path` holds the adapter in peft's format (`PeftModel.from_pretrained` over the base
+        model) and the tokenizer; with `trainer.export_merged` also the merged model in `path/merged`."""
         from transformers import AutoTokenizer
 
-        state = self.full_state_dict()
-        if self.rank == 0:
-            self.model.save_pretrained(path, state_dict=state)
-            AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
+        if self.lora is None:
+            state = self.full_state_dict()
+            if self.rank == 0:
+                self.model.save_pretrained(path, state_dict=state)
+                AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
+        else:
+            from skyrl.train.inference.weights import save_peft_adapter
+
+            adapters = self.adapter_state_dict(scaled=False)
+            full = self._gathered(
+                n for n, p in self.model.named_parameters() if p.requires_grad and not is_adapter_name(n)
+            )
+            merged = self.full_state_dict() if self.cfg.export_merged else None
+            if self.rank == 0:
+                save_peft_adapter(path, adapters, self.lora.alpha, self.model_path, full)
+                AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
+                if merged is not None:
+                    self._save_merged(str(Path(path) / "merged"), merged)
         dist.barrier()
+
+    def _save_merged(self, path: str, state: dict[str, torch.Tensor]) -> None:
+        """The merged model as a plain checkpoint of the base model's class (the LoRA layers are gone)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        with torch.device("meta"):
+            plain = AutoModelForCausalLM.from_config(self.model.config)
+        plain.save_pretrained(path, state_dict=state)
+        AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
 
     # ---- checkpoints ----
     def save_checkpoint(self, path: str) -> None:
@@ -388,18 +496,26 @@ class FSDPWorker:
     def load_checkpoint(self, path: str) -> None:
         if not (Path(path) / CHECKPOINT_DONE).exists():
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no {CHECKPOINT_DONE} marker)")
+        local = torch.load(Path(path) / f"local_rank{self.rank}.pt", weights_only=False)
+        rank = self.lora.rank if self.lora else 0
+        if local.get("lora_rank", 0) != rank:
+            raise ValueError(
+                f"{path} was saved with trainer.{self.role}.lora.rank={local.get('lora_rank', 0)}, this run has "
+                f"trainer.{self.role}.lora.rank={rank}; resume with the checkpoint's setting"
+            )
         state = self._state_dict()
         dcp.load(state, checkpoint_id=path)
+        options = StateDictOptions(strict=self.lora is None)  # LoRA: the adapters (and full heads) only
         if self.optimizer is not None:
             set_state_dict(
                 self.model,
                 self.optimizer,
                 model_state_dict=state["model"],
                 optim_state_dict=state["optimizer"],
+                options=options,
             )
         else:
-            set_model_state_dict(self.model, state["model"])
-        local = torch.load(Path(path) / f"local_rank{self.rank}.pt", weights_only=False)
+            set_model_state_dict(self.model, state["model"], options=options)
         self.global_step = local["global_step"]
         if self.scheduler is not None:
             self.scheduler.load_state_dict(local["scheduler"])
@@ -410,14 +526,21 @@ class FSDPWorker:
             torch.cuda.set_rng_state(local["cuda_rng"])
 
     def _state_dict(self) -> dict:
+        """What a checkpoint holds of the model (with LoRA only what trains: the base is `model_path`)
+        and of the optimizer."""
         if self.optimizer is None:
             return {"model": get_model_state_dict(self.model)}
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        if self.lora is not None:
+            trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
+            model_state = {name: t for name, t in model_state.items() if name in trainable}
         return {"model": model_state, "optimizer": optim_state}
 
     def _local_state(self) -> dict:
         state = {
             "global_step": self.global_step,
+            "lora_rank": self.lora.rank if self.lora else 0,
+            "base_model": self.model_path,
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
             "torch_rng": torch.get_rng_state(),
             "python_rng": random.getstate(),
@@ -482,7 +605,7 @@ class TrainableWorker(FSDPWorker, abc.ABC):
         super().init_model()
         opt = self.section.optimizer
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
+            self._trainable(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
         )
         run_steps = self.cfg.optimizer_steps(getattr(self.cfg, f"{self.role}_mini_batch_size"))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(opt, run_steps))
@@ -534,7 +657,7 @@ class TrainableWorker(FSDPWorker, abc.ABC):
         max_norm = (
             self.section.optimizer.max_grad_norm if self.section.optimizer.max_grad_norm > 0 else math.inf
         )
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self._trainable(), max_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         metrics = {**totals.all_reduce(), "grad_norm": grad_norm.item()}
         skip = not (
@@ -549,10 +672,10 @@ class TrainableWorker(FSDPWorker, abc.ABC):
         return {**metrics, "lr": self.scheduler.get_last_lr()[0], "skipped_steps": float(skip)}
 
     def gradient_vector(self) -> torch.Tensor | None:
-        """The full flattened gradient of the last mini-batch on rank 0 (collective; None elsewhere)."""
+        """The full flattened gradient of the trained parameters (LoRA: the adapters) of the last
+        mini-batch on rank 0 (collective; None elsewhere)."""
         grads = [
-            p.grad.full_tensor() if p.grad is not None else torch.zeros(p.shape)
-            for p in self.model.parameters()
+            p.grad.full_tensor() if p.grad is not None else torch.zeros(p.shape) for p in self._trainable()
         ]
         return torch.cat([g.flatten().cpu() for g in grads]) if self.rank == 0 else None
 
@@ -597,6 +720,7 @@ class CriticWorker(TrainableWorker):
     """Critic: the backbone with a scalar value head (token classification, 1 label), clipped value loss."""
 
     role = "critic"
+    full_heads = ("score",)  # a fresh value head trains in full
 
     def _load_model(self, **kwargs: Any) -> torch.nn.Module:
         from transformers import AutoConfig, AutoModelForTokenClassification

@@ -250,7 +250,7 @@ def test_weight_groups_stream_whole_layers_and_cover_every_parameter(policy_dp2)
     for name, tensor in merged.items():
         torch.testing.assert_close(tensor, state[name])
     assert policy_dp2.run("weight_stream_spec")[0] == stream_spec(groups)  # what a broadcast sends
-    from_store = ray.get(policy_dp2.full_state_dict_ref())  # what the object-store sync sends
+    from_store = ray.get(policy_dp2.rank0_ref("full_state_dict"))  # what the object-store sync sends
     assert set(from_store) == set(state)
     for name, tensor in from_store.items():
         torch.testing.assert_close(tensor, state[name])
