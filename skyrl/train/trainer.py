@@ -53,6 +53,8 @@ from skyrl.train.generator.base import build_generator, generate_checked
 from skyrl.train.generator.rollout import Episode, allowed_token_ids, rollout_metrics
 from skyrl.train.generator.stream import RolloutStream, episode_staleness
 from skyrl.train.inference import InferenceEngineClient, InferenceEngineConfig
+from skyrl.train.inference.client import resolve_engine_config
+from skyrl.train.inference.config import check_action_space
 from skyrl.train.inference.openai_server import OpenAIServer
 from skyrl.train.inference.weight_sync import WeightSyncGroup
 from skyrl.train.schema import SkyRLConfig
@@ -210,6 +212,8 @@ class Trainer:
         (freeing its GPU memory) while the workers train. A dead engine is restarted up to
         `generator.max_engine_restarts` times per run."""
         e, restarts = self.cfg.generator.inference_engine, self.cfg.generator.max_engine_restarts
+        key = f"environment.config.{self.cfg.environment.env_class}.allowed_tokens"
+        check_action_space(resolve_engine_config(e), len(self.allowed_token_ids), key)
         if not self.colocated:
             e = self._with_lora_rank(e)
             return InferenceEngineClient.from_config(e, self.model_path, max_restarts=restarts)

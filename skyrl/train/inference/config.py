@@ -96,3 +96,18 @@ def resolve_backend(cfg: InferenceEngineConfig) -> str:
             f"the `vllm` extra (CUDA), or set {ENGINE_KEY}.backend=hf."
         )
     return cfg.backend
+
+
+# vLLM's GPU model runner refuses requests with more allowed_token_ids (v1/worker/gpu/sample/logit_bias.py)
+VLLM_GPU_MAX_ALLOWED_TOKENS = 1024
+
+
+def check_action_space(cfg: InferenceEngineConfig, num_allowed: int, key: str) -> None:
+    """`ConfigError` naming `key` when engines of the resolved `cfg` would refuse every request restricted
+    to `num_allowed` tokens (vLLM on GPU takes at most `VLLM_GPU_MAX_ALLOWED_TOKENS`)."""
+    if cfg.backend == "vllm" and cfg.device == "cuda" and num_allowed > VLLM_GPU_MAX_ALLOWED_TOKENS:
+        raise ConfigError(
+            f"{key} has {num_allowed} tokens; vLLM on GPU samples from at most {VLLM_GPU_MAX_ALLOWED_TOKENS} "
+            f"allowed tokens per request. Shorten the list, set {key}=null, or use "
+            f"{ENGINE_KEY}.backend=hf."
+        )

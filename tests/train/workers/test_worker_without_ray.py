@@ -52,3 +52,11 @@ def test_fsdp_worker_imports_and_trains_without_ray(tiny_model_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "trained without ray" in result.stdout
+
+
+def test_gpu_workers_reduce_cpu_tensors_over_gloo_and_cuda_tensors_over_nccl():
+    """With cpu_offload the sharded parameters and gradients stay on CPU: NCCL alone cannot reduce them."""
+    from skyrl.train.workers.fsdp_worker import process_group_backend
+
+    assert process_group_backend("cuda") == "cpu:gloo,cuda:nccl"
+    assert process_group_backend("cpu") == "gloo"
