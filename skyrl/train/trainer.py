@@ -272,12 +272,15 @@ class Trainer:
             )
         if self.lora_sync == "adapter":  # a few MB: the object store, whatever the weights would take
             mode = "object_store"
-        self.sync_bytes = self.policy.run("sync_nbytes", self.lora_sync == "adapter")[0]
+        # weights travel in the engines' dtype: fp32 master weights into bf16 engines would double the bytes
+        self.engine_dtype = self._await(self.client.health())[0].dtype
+        self.sync_bytes = self.policy.run("sync_nbytes", self.lora_sync == "adapter", self.engine_dtype)[0]
         logger.info(
-            "weight sync: %s%s, %.1f MB per engine",
+            "weight sync: %s%s, %.1f MB per engine (%s)",
             mode,
             f" (LoRA, {self.lora_sync})" if self.lora_sync else "",
             self.sync_bytes / 1e6,
+            self.engine_dtype,
         )
         if mode != "object_store":
             self.client.weight_restorer = self._resend_weights
@@ -636,15 +639,21 @@ class Trainer:
         `resend`, the engines' current version again)."""
         if self.lora_sync == "adapter":
             return partial(self.client.update_weights, self.policy.rank0_ref("adapter_state_dict"), version)
+        dtype = self.engine_dtype
         if self.weight_sync == "object_store":
-            return partial(self.client.update_weights, self.policy.rank0_ref("full_state_dict"), version)
-        spec = self.policy.run("weight_stream_spec")[0]
+            weights = self.policy.rank0_ref("full_state_dict", dtype)
+            return partial(self.client.update_weights, weights, version)
+        spec = self.policy.run("weight_stream_spec", dtype)[0]
         if self.weight_sync == "broadcast":
-            send = partial(self.policy.run_async, "broadcast_weights")
+            send = partial(self.policy.run_async, "broadcast_weights", dtype)
             return partial(self.client.broadcast_weights, spec, version, send, resend=resend)
-        hand = partial(self.policy.run_async, "share_weights")  # hand(engines, version)
+        hand = partial(self.policy.run_async, "share_weights")  # hand(engines, version, dtype)
         return partial(
-            self.client.share_weights, spec, version, lambda engines: hand(engines, version), resend=resend
+            self.client.share_weights,
+            spec,
+            version,
+            lambda engines: hand(engines, version, dtype),
+            resend=resend,
         )
 
     # ---- eval ----

@@ -102,6 +102,7 @@ class EngineHealth:
     num_in_flight: int
     num_served: int
     asleep: bool
+    dtype: str  # of the engine's weights (float32, bfloat16, ...): what weight syncs should send
     error: str | None = None
 
 

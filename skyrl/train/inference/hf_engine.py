@@ -413,6 +413,7 @@ class HFEngine(InferenceEngine):
             num_in_flight=self._num_in_flight,
             num_served=self._num_served,
             asleep=self._asleep,
+            dtype=str(self._model.dtype).removeprefix("torch."),
         )
 
     async def shutdown(self) -> None:

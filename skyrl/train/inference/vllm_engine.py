@@ -324,6 +324,7 @@ class VLLMEngine(InferenceEngine):
             num_in_flight=len(self._futures),
             num_served=self._num_served,
             asleep=self._asleep,
+            dtype=str(self._dtype).removeprefix("torch."),
             error=self._error,
         )
 

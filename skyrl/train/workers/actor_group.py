@@ -284,10 +284,10 @@ class ActorGroup:
     def full_state_dict(self) -> dict:
         return self.run("full_state_dict")[0]
 
-    def rank0_ref(self, method: str) -> ray.ObjectRef:
-        """Rank 0's result of the collective `method` (e.g. `full_state_dict`), left in the object store
-        (engines fetch it without a driver copy)."""
-        refs = [getattr(actor, method).remote() for actor in self.actors]
+    def rank0_ref(self, method: str, *args: Any) -> ray.ObjectRef:
+        """Rank 0's result of the collective `method(*args)` (e.g. `full_state_dict`), left in the object
+        store (engines fetch it without a driver copy)."""
+        refs = [getattr(actor, method).remote(*args) for actor in self.actors]
         self._wait(refs, method)  # a collective: every rank must finish
         self._raise_if_dead(list(range(self.num_workers)), method)  # results are not fetched here
         return refs[0]

@@ -334,14 +334,15 @@ class FSDPWorker:
         return data.select_rows(partition_rows(data, dp_size, balance, cost_weight)[self.rank])
 
     # ---- inspection, export ----
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+    def full_state_dict(self, dtype: str | None = None) -> dict[str, torch.Tensor] | None:
         """The whole model's weights on rank 0, on CPU, under the checkpoint's names (with LoRA: merged,
-        base + alpha / rank * B @ A); collective, None elsewhere."""
+        base + alpha / rank * B @ A), cast to `dtype` (e.g. an engine's `bfloat16`) when given;
+        collective, None elsewhere."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.model, options=options)
         if self.rank != 0:
             return None
-        return merge_adapters(state, self.lora_scaling) if self.lora is not None else state
+        return self._engine_group(state, dtype)
 
     def adapter_state_dict(self, scaled: bool = True) -> dict[str, torch.Tensor] | None:
         """LoRA only: the adapters on rank 0, on CPU, as `<module>.lora_A.weight` / `.lora_B.weight`, B
@@ -352,12 +353,13 @@ class FSDPWorker:
             return None
         return adapter_tensors(state, self.lora_scaling if scaled else 1.0)
 
-    def sync_nbytes(self, adapters: bool) -> int:
-        """Bytes one weight sync sends each engine: the LoRA adapters (`adapters`), or the (merged) weights."""
+    def sync_nbytes(self, adapters: bool, dtype: str | None = None) -> int:
+        """Bytes one weight sync sends each engine: the LoRA adapters (`adapters`), or the (merged) weights
+        in `dtype` (default: the workers')."""
         if adapters:
             tensors = [p for name, p in self.model.named_parameters() if is_adapter_name(name)]
         else:
-            tensors = [t for group in self._engine_groups_meta() for t in group.values()]
+            tensors = [t for group in self._engine_groups_meta(dtype) for t in group.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def _gathered(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
@@ -382,65 +384,70 @@ class FSDPWorker:
             groups.setdefault(key, {})[name] = param
         return list(groups.values())
 
-    def _engine_group(self, group: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A weight group as engines take it: the checkpoint's names, adapters merged (LoRA)."""
-        return merge_adapters(group, self.lora_scaling) if self.lora is not None else group
+    def _engine_group(self, group: dict[str, torch.Tensor], dtype: str | None) -> dict[str, torch.Tensor]:
+        """A weight group as engines take it: the checkpoint's names, adapters merged (LoRA), in `dtype`
+        when given (fp32 master weights sent to a bf16 engine would cost twice the bytes)."""
+        group = merge_adapters(group, self.lora_scaling) if self.lora is not None else group
+        return {name: t.to(getattr(torch, dtype)) for name, t in group.items()} if dtype else group
 
-    def _engine_groups_meta(self) -> list[dict[str, torch.Tensor]]:
-        """What `iter_weight_groups` yields, as meta tensors (names, shapes, dtypes; no communication)."""
+    def _engine_groups_meta(self, dtype: str | None = None) -> list[dict[str, torch.Tensor]]:
+        """What `iter_weight_groups(dtype)` yields, as meta tensors (names, shapes, dtypes; no communication)."""
         return [
             self._engine_group(
-                {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in group.items()}
+                {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in group.items()}, dtype
             )
             for group in self._param_groups()
         ]
 
-    def iter_weight_groups(self) -> Iterator[dict[str, torch.Tensor]]:
+    def iter_weight_groups(self, dtype: str | None = None) -> Iterator[dict[str, torch.Tensor]]:
         """Full weights one decoder layer at a time (then the rest), for streaming to engines; with LoRA
-        merged (base + alpha / rank * B @ A) under the checkpoint's names.
+        merged (base + alpha / rank * B @ A) under the checkpoint's names; in `dtype` when given.
 
         A layer travels whole, so fused engine weights (q/k/v, gate/up) arrive together.
         Collective: every rank iterates; the tensors are complete on every rank.
         """
         for params in self._param_groups():
             full = {name: p.full_tensor() if isinstance(p, DTensor) else p for name, p in params.items()}
-            yield self._engine_group(full)
+            yield self._engine_group(full, dtype)
 
     # ---- broadcast weight sync ----
     def init_weight_sync(self, group: WeightSyncGroup) -> None:
         """Rank 0 joins the engines' weight-sync group as its sender (rank 0); other ranks do nothing."""
-        from skyrl.train.inference.weight_sync import init_sync_group
+        from skyrl.train.inference.weight_sync import init_sync_group, sync_device
 
         if self.rank == 0:
             self._sync_group = init_sync_group(group, 0)
+            self._sync_device = sync_device(group.backend)  # NCCL sends CUDA tensors (cpu_offload: copies)
 
-    def weight_stream_spec(self) -> StreamSpec:
-        """What `broadcast_weights` and `share_weights` send, in order (full shapes; no communication)."""
+    def weight_stream_spec(self, dtype: str | None = None) -> StreamSpec:
+        """What `broadcast_weights(dtype)` and `share_weights(..., dtype)` send, in order (full shapes; no
+        communication)."""
         from skyrl.train.inference.weights import stream_spec
 
-        return stream_spec(self._engine_groups_meta())
+        return stream_spec(self._engine_groups_meta(dtype))
 
-    def broadcast_weights(self) -> None:
-        """Collective over the ranks: gather one weight group at a time; rank 0 broadcasts it to the engines."""
+    def broadcast_weights(self, dtype: str | None = None) -> None:
+        """Collective over the ranks: gather one weight group at a time (in `dtype` when given); rank 0
+        broadcasts it to the engines."""
         from skyrl.train.inference.weight_sync import send_group
 
-        for group in self.iter_weight_groups():
+        for group in self.iter_weight_groups(dtype):
             if self.rank == 0:
-                send_group(self._sync_group, group.values())
+                send_group(self._sync_group, (t.to(self._sync_device) for t in group.values()))
 
     # ---- shared-memory weight sync (colocated engines) ----
-    def share_weights(self, engines: Sequence[Any], version: int) -> None:
-        """Collective over the ranks: gather one weight group at a time; rank i hands it to `engines[i]`
-        (colocated on its bundle) through shared memory and waits until it is loaded (see
-        `shared_weights`); the last group carries `version`. Ranks without an engine only gather."""
+    def share_weights(self, engines: Sequence[Any], version: int, dtype: str | None = None) -> None:
+        """Collective over the ranks: gather one weight group at a time (in `dtype` when given); rank i
+        hands it to `engines[i]` (colocated on its bundle) through shared memory and waits until it is
+        loaded (see `shared_weights`); the last group carries `version`. Ranks without an engine only
+        gather. The buffer is on this rank's device (CUDA IPC on GPU, also with cpu_offload)."""
         from skyrl.train.inference.shared_weights import packed_nbytes, send_shared
 
-        groups = self.iter_weight_groups()
+        groups = self.iter_weight_groups(dtype)
         try:
             if self.rank < len(engines):
-                nbytes = max(packed_nbytes(g.values()) for g in self._engine_groups_meta())
-                device = next(self.model.parameters()).device
-                send_shared(engines[self.rank], groups, nbytes, device, version)
+                nbytes = max(packed_nbytes(g.values()) for g in self._engine_groups_meta(dtype))
+                send_shared(engines[self.rank], groups, nbytes, self.device, version)
         finally:
             for _ in groups:  # after a failure too: the other ranks are in the same collectives
                 pass

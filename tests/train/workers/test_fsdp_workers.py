@@ -256,6 +256,49 @@ def test_weight_groups_stream_whole_layers_and_cover_every_parameter(policy_dp2)
         torch.testing.assert_close(tensor, state[name])
 
 
+def test_every_sync_path_sends_the_engines_dtype_and_gives_the_same_engine(policy_dp2, tiny_model_path):
+    """bf16 engines: the object store, broadcast and ipc paths send bf16 tensors (half the bytes of the
+    fp32 master weights) and leave the engines with identical weights: equal greedy logprobs, which
+    differ from an engine left on the checkpoint's weights."""
+    import asyncio
+
+    from skyrl.train.inference.engine import SamplingParams
+    from skyrl.train.inference.weight_sync import WeightSyncGroup
+
+    batch, bounds = stepwise_batch(512)  # one step away from the checkpoint
+    batch["old_logprobs"] = policy_dp2.forward(policy_dp2.stage(batch, bounds))["logprobs"]
+    policy_dp2.train(policy_dp2.stage(batch, bounds)[:1])
+    config = InferenceEngineConfig(backend="hf", device="cpu", dtype="bfloat16")
+    store, broadcast, ipc, base = (
+        InferenceEngineClient.from_config(config, str(tiny_model_path)) for _ in range(4)
+    )
+    spec = policy_dp2.run("weight_stream_spec", "bfloat16")[0]
+    assert {dtype for group in spec for _, dtype, _ in group} == {"bfloat16"}
+    assert 2 * policy_dp2.run("sync_nbytes", False, "bfloat16")[0] == policy_dp2.run("sync_nbytes", False)[0]
+    group = WeightSyncGroup(*policy_dp2.rank0_free_port(), broadcast.weight_sync_world_size, "gloo", 120)
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+
+    async def sample(client):
+        return [o.logprobs for o in await asyncio.gather(*(client.generate(p, params) for p in prompts))]
+
+    try:
+        asyncio.run(store.update_weights(policy_dp2.rank0_ref("full_state_dict", "bfloat16"), 1))
+        asyncio.run(
+            broadcast.init_weight_sync(group, lambda: policy_dp2.run_async("init_weight_sync", group))
+        )
+        send = lambda: policy_dp2.run_async("broadcast_weights", "bfloat16")  # noqa: E731
+        asyncio.run(broadcast.broadcast_weights(spec, 1, send))
+        hand = lambda engines: policy_dp2.run_async("share_weights", engines, 1, "bfloat16")  # noqa: E731
+        asyncio.run(ipc.share_weights(spec, 1, hand))
+        results = [asyncio.run(sample(client)) for client in (store, broadcast, ipc, base)]
+    finally:
+        for client in (store, broadcast, ipc, base):
+            client.shutdown()
+    assert results[0] == results[1] == results[2]
+    assert results[0] != results[3]
+
+
 def test_share_weights_with_a_dead_engine_fails_its_rank_and_leaves_no_rank_in_a_collective(
     policy_dp2, tiny_model_path
 ):
