@@ -7,7 +7,11 @@ from its config (random weights), flash_attention_2 (packed sequences) when flas
 installed, sdpa otherwise. With `--tiny` (what CI runs, on CPU): the tiny model, gloo,
 /dev/shm. Prints tokens/s, MFU (6 x parameters x tokens / time / the device's peak bf16
 FLOP/s, from a table of cards or `--peak-tflops`), peak memory, the bf16-vs-fp32 logprob
-agreement, and whether the other process read the shared weights exactly.
+agreement, and whether the other process read the shared weights exactly. Then the paths the first
+GPU run must prove: the device memory `init_model` peaks at against the fp32 model's size (the model
+loads on the CPU and moves layer by layer as it is sharded), a training step with
+`cpu_offload=true` (CPU shards reduced over gloo beside NCCL), a LoRA step (trainable parameters,
+optimizer state, step time against the full step) and a weight group sent in bf16 (half the bytes).
 
 Usage: python scripts/gpu_check.py [--tiny] [--steps 3] [--peak-tflops 989]
 """
@@ -33,7 +37,7 @@ from skyrl.train.dataset.preprocess import (
     prefix_groups,
     trajectories_to_sequences,
 )
-from skyrl.train.schema import ModelConfig, OptimizerConfig, PolicyConfig, TrainerConfig
+from skyrl.train.schema import LoRAConfig, ModelConfig, OptimizerConfig, PolicyConfig, TrainerConfig
 from skyrl.train.workers.fsdp_worker import PolicyWorker
 
 # dense bf16 tensor-core peaks, TFLOP/s, by a substring of torch.cuda.get_device_name()
@@ -83,10 +87,16 @@ def agent_batch(vocab_size: int, trajectories: int, turns: int, tiny: bool):
     return batch
 
 
-def make_worker(path: str, bf16: bool, budget: int, attn: str, mesh=None) -> PolicyWorker:
+def make_worker(
+    path: str, bf16: bool, budget: int, attn: str, mesh=None, lora_rank: int = 0, cpu_offload: bool = False
+) -> PolicyWorker:
     cfg = TrainerConfig(
         policy=PolicyConfig(
-            model=ModelConfig(attn_implementation=attn), optimizer=OptimizerConfig(lr=1e-5), bf16=bf16
+            model=ModelConfig(attn_implementation=attn),
+            optimizer=OptimizerConfig(lr=1e-5),
+            bf16=bf16,
+            lora=LoRAConfig(rank=lora_rank, alpha=2.0 * lora_rank),
+            cpu_offload=cpu_offload,
         ),
         max_tokens_per_micro_batch=budget,
     )
@@ -130,6 +140,23 @@ def ipc_handoff(worker: PolicyWorker) -> bool:
     return got == expected
 
 
+def timed_step(worker: PolicyWorker, batch) -> tuple[float, dict[str, float]]:
+    """Seconds of one optimizer step (after a warm-up) and its metrics."""
+    worker.train_mini_batch(batch)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    metrics = worker.train_mini_batch(batch)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, metrics
+
+
+def optimizer_bytes(worker: PolicyWorker) -> int:
+    state = [t for s in worker.optimizer.state.values() for t in s.values() if t.dim() > 0]
+    return sum(t.numel() * t.element_size() for t in state)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -146,7 +173,10 @@ def main() -> None:
     device = torch.cuda.get_device_name() if on_gpu else "cpu"
     with tempfile.TemporaryDirectory() as tmp:
         path = build_model(tmp, args.tiny)
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()
         worker = make_worker(path, bf16=True, budget=args.max_tokens, attn=attn)
+        init_peak = torch.cuda.max_memory_allocated() if on_gpu else None
         params = sum(p.numel() for p in worker.model.parameters())
         batch = agent_batch(worker.model.config.vocab_size, args.trajectories, args.turns, args.tiny)
         batch["old_logprobs"] = worker.forward(batch)["logprobs"]
@@ -175,6 +205,16 @@ def main() -> None:
         mask = batch["response_mask"].bool()
         gap = (bf16 - fp32)[mask].abs()
         handed_off = ipc_handoff(worker)
+        full_seconds, _ = timed_step(worker, batch)
+        lora = make_worker(path, True, args.max_tokens, attn, mesh=worker.mesh, lora_rank=16)
+        lora_seconds, lora_metrics = timed_step(lora, batch)
+        lora_params = sum(p.numel() for p in lora._trainable())
+        offload = make_worker(path, True, args.max_tokens, attn, mesh=worker.mesh, cpu_offload=True)
+        _, offload_metrics = timed_step(offload, batch)
+        group = next(worker.iter_weight_groups("bfloat16"))
+        fp32_group = next(worker.iter_weight_groups())
+        bf16_bytes = sum(t.numel() * t.element_size() for t in group.values())
+        fp32_bytes = sum(t.numel() * t.element_size() for t in fp32_group.values())
     peak_tflops = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device), None)
     tokens_per_s = trained / seconds
     mfu = (
@@ -192,7 +232,26 @@ def main() -> None:
     print(f"peak memory {peak / 2**30:.2f} GiB")
     print(f"bf16 vs fp32 logprobs: mean |diff| {gap.mean():.2e}, max {gap.max():.2e}")
     print(f"IPC hand-off of a weight group to another process: {'exact' if handed_off else 'MISMATCH'}")
-    if not handed_off or not torch.isfinite(torch.tensor(metrics["grad_norm"])):
+    model_bytes = 4 * params
+    print(
+        "init_model peak device memory "
+        + (f"{init_peak / 2**30:.2f} GiB" if init_peak is not None else "n/a (cpu)")
+        + f", the fp32 model {model_bytes / 2**30:.2f} GiB"
+    )
+    print(
+        f"LoRA rank 16: {lora_params:,} trainable parameters, optimizer state {optimizer_bytes(lora) / 2**20:.1f} "
+        f"MiB (full {optimizer_bytes(worker) / 2**20:.1f} MiB), {lora_seconds:.3f} s/step (full "
+        f"{full_seconds:.3f}), grad_norm {lora_metrics['grad_norm']:.3f}"
+    )
+    print(
+        f"cpu_offload step: grad_norm {offload_metrics['grad_norm']:.3f}"
+        + ("" if on_gpu else " (cpu: nothing to offload)")
+    )
+    print(f"a weight group in bf16: {bf16_bytes:,} bytes, in fp32 {fp32_bytes:,}")
+    finite = all(
+        torch.isfinite(torch.tensor(m["grad_norm"])) for m in (metrics, lora_metrics, offload_metrics)
+    )
+    if not handed_off or not finite or 2 * bf16_bytes != fp32_bytes:
         raise SystemExit("gpu_check failed")
 
 

@@ -163,7 +163,10 @@ class Trainer:
         """Placement groups for the policy, and ref / critic when the algorithm needs them (one shared
         by all when colocated), then the worker groups on them (`_start_workers`)."""
         p = self.cfg.trainer.placement
-        gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0  # the driver may sit on a CPU node
+        cluster_gpus = ray.cluster_resources().get("GPU", 0)
+        gpus = 1 if cluster_gpus > 0 else 0  # the driver may sit on a CPU node
+        if cluster_gpus:  # a layout that cannot fit would wait for GPUs forever
+            check_gpu_budget(self.cfg, self.use_ref, self.use_critic, int(cluster_gpus))
         groups = [True, self.use_ref, self.use_critic, True]  # policy, ref, critic, inference engines
         self._worker_fraction = 1.0 / sum(groups) if p.colocate_all else 1.0
         # what each colocated inference engine takes of its bundle
@@ -960,6 +963,24 @@ def env_failure_warning(step: int, episodes: list[Episode], env_failure: str) ->
 def rewards_tie(group: list[Episode]) -> bool:
     """True when every episode of a prompt group has the same total reward (no learning signal)."""
     return len({round(e.reward, 6) for e in group}) == 1
+
+
+def check_gpu_budget(cfg: SkyRLConfig, use_ref: bool, use_critic: bool, cluster_gpus: int) -> None:
+    """`ConfigError` naming each model's GPUs when the layout needs more than the cluster's `cluster_gpus`:
+    colocated, the policy's bundles hold everything; disaggregated, the policy, reference and critic
+    ranks and `num_engines x tensor_parallel_size` engine GPUs each need GPUs of their own."""
+    p, e = cfg.trainer.placement, cfg.generator.inference_engine
+    roles = ["policy"] + (["ref"] * use_ref + ["critic"] * use_critic if not p.colocate_all else [])
+    needs = {f"{role} ({role}_num_nodes x {role}_num_gpus_per_node)": p.dp_size(role) for role in roles}
+    if not p.colocate_all:
+        needs["engines (num_engines x tensor_parallel_size)"] = e.num_engines * e.tensor_parallel_size
+    if sum(needs.values()) > cluster_gpus:
+        parts = ", ".join(f"{name} {n}" for name, n in needs.items())
+        raise ConfigError(
+            f"this layout needs {sum(needs.values())} GPUs ({parts}), the Ray cluster has {cluster_gpus}; "
+            "use fewer ranks or engines, trainer.placement.colocate_all=true (placement=colocated), or a "
+            "bigger cluster."
+        )
 
 
 def pad_fraction(bounds: list[tuple[int, int]], dp_size: int) -> float:

@@ -36,3 +36,5 @@ def test_gpu_check_trains_and_hands_weights_over_without_ray(tmp_path):
     assert "tokens forwarded (prefix-shared)" in out and "tokens/s" in out
     assert "bf16 vs fp32 logprobs: mean |diff| 0.00e+00" in out  # CPU trains fp32 either way
     assert "IPC hand-off of a weight group to another process: exact" in out
+    assert "LoRA rank 16: 47,104 trainable parameters" in out  # the tiny model's 2 layers x 7 projections
+    assert "cpu_offload step: grad_norm" in out and "a weight group in bf16" in out

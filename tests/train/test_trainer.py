@@ -17,7 +17,14 @@ from transformers import AutoTokenizer
 from skyrl.train.config import compose_config
 from skyrl.train.dataset.preprocess import Trajectory, Turn, mask_groups
 from skyrl.train.generator.rollout import Episode
-from skyrl.train.trainer import ENDPOINT_FILE, Trainer, load_datasets, rewards_tie, skipped_in_a_row
+from skyrl.train.trainer import (
+    ENDPOINT_FILE,
+    Trainer,
+    check_gpu_budget,
+    load_datasets,
+    rewards_tie,
+    skipped_in_a_row,
+)
 from skyrl.train.utils.errors import ConfigError
 from skyrl.train.utils.tiny_model import create_tiny_model
 from skyrl.train.utils.tracking import read_metrics
@@ -588,3 +595,21 @@ def test_a_dead_worker_rank_ends_the_run_at_once_when_restarts_are_off(
 
     with pytest.raises(WorkerDiedError, match=r"policy worker rank\(s\) \[1\] died .*trainer.max_restarts=0"):
         run(overrides, tmp_path, tiny_model_path, cls=KillsRank1)
+
+
+def test_a_layout_that_needs_more_gpus_than_the_cluster_has_is_refused_naming_each_part():
+    cfg = compose_config(
+        [
+            "placement=disaggregated",
+            "trainer.placement.policy_num_gpus_per_node=4",
+            "generator.inference_engine.num_engines=2",
+            "generator.inference_engine.tensor_parallel_size=2",
+        ]
+    )
+    check_gpu_budget(cfg, use_ref=False, use_critic=False, cluster_gpus=8)
+    with pytest.raises(ConfigError, match=r"needs 9 GPUs \(policy .* 4, ref .* 1, engines .* 4\), .* has 8"):
+        check_gpu_budget(cfg, use_ref=True, use_critic=False, cluster_gpus=8)
+    colocated = compose_config(
+        ["trainer.placement.policy_num_gpus_per_node=4", "trainer.algorithm.use_kl_loss=true"]
+    )
+    check_gpu_budget(colocated, use_ref=True, use_critic=False, cluster_gpus=4)  # all share the 4 bundles

@@ -20,8 +20,10 @@ Each way the client's `weight_version` advances once every engine has the update
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -30,7 +32,7 @@ import ray
 import torch
 from ray.actor import ActorHandle
 
-from skyrl.train.inference.config import resolve_backend, validate_engine_config
+from skyrl.train.inference.config import ENGINE_KEY, resolve_backend, validate_engine_config
 from skyrl.train.inference.engine import EngineHealth, GenerationOutput, SamplingParams
 from skyrl.train.inference.weight_sync import WeightSyncGroup
 from skyrl.train.inference.weights import StreamSpec
@@ -42,6 +44,36 @@ logger = logging.getLogger(__name__)
 class EngineDeadError(RuntimeError):
     """An engine actor died; the message's first line names the engine, the rest Ray's cause and how
     a program holding the client restarts it."""
+
+
+# A restarted engine may fail its start while its predecessor's process still holds the GPU memory
+# (ray.kill returns before the process has exited): it is started again after a pause.
+RESTART_ATTEMPTS = 3
+RESTART_BACKOFF_S = 10.0
+
+
+def wait_until_serving(
+    engines: Sequence[ActorHandle], cfg: InferenceEngineConfig, resources: Mapping[str, float] | None
+) -> None:
+    """Wait for every engine's first health answer, at most `cfg.start_timeout_s`; past it the engines
+    are killed and a `TimeoutError` names what each asked for and what the cluster has free (an engine
+    whose GPUs no node has free waits in Ray's queue forever)."""
+    try:
+        ray.get([e.health.remote() for e in engines], timeout=cfg.start_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        for engine in engines:
+            ray.kill(engine, no_restart=True)
+        asked = {"num_cpus": cfg.num_cpus_per_engine} | (
+            {"num_gpus": cfg.tensor_parallel_size} if cfg.device == "cuda" else {}
+        )
+        asked |= dict(resources or {})
+        free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+        raise TimeoutError(
+            f"{len(engines)} inference engine(s) did not serve within {ENGINE_KEY}.start_timeout_s="
+            f"{cfg.start_timeout_s:g} s; each asks for {asked}, the cluster has {free} free. Free or add "
+            f"GPUs (disaggregated engines need num_engines x tensor_parallel_size of their own), or raise "
+            "start_timeout_s if the engines are only slow to start."
+        ) from None
 
 
 def _engine_class(backend: str) -> type:
@@ -95,7 +127,7 @@ class InferenceEngineClient:
         self,
         engines: Sequence[ActorHandle],
         max_concurrent_requests: int = 1024,
-        engine_factory: Callable[[int], ActorHandle] | None = None,
+        engine_factory: Callable[[int], ActorHandle] | None = None,  # a serving engine for slot i
         max_sessions: int = 100_000,
         ranks_per_engine: int = 1,
         max_restarts: int = 0,
@@ -144,11 +176,25 @@ class InferenceEngineClient:
         strategies = list(scheduling_strategies or [None] * cfg.num_engines)
         assert len(strategies) == cfg.num_engines, "one scheduling strategy per engine"
 
-        def factory(index: int) -> ActorHandle:
+        def start(index: int) -> ActorHandle:
             return create_engine(cfg, model_path, strategies[index], resources)
 
-        engines = [factory(i) for i in range(cfg.num_engines)]
-        ray.get([e.health.remote() for e in engines])
+        def restart(index: int) -> ActorHandle:
+            # its predecessor's process may still hold the GPU memory: a failed start is tried again
+            for _ in range(RESTART_ATTEMPTS - 1):
+                engine = start(index)
+                try:
+                    wait_until_serving([engine], cfg, resources)
+                    return engine
+                except ray.exceptions.RayActorError as error:
+                    logger.warning("a restarted engine %d failed to start (%s); trying again", index, error)
+                    time.sleep(RESTART_BACKOFF_S)
+            engine = start(index)
+            wait_until_serving([engine], cfg, resources)
+            return engine
+
+        engines = [start(i) for i in range(cfg.num_engines)]  # they start in parallel
+        wait_until_serving(engines, cfg, resources)
         logger.info(
             "inference backend: %s, %d engine(s) on %s, tensor parallel %d, model %s",
             cfg.backend,
@@ -160,7 +206,7 @@ class InferenceEngineClient:
         return cls(
             engines,
             cfg.max_concurrent_requests,
-            factory,
+            restart,
             ranks_per_engine=cfg.tensor_parallel_size,
             max_restarts=max_restarts,
         )
@@ -457,9 +503,8 @@ class InferenceEngineClient:
                 "this client was built from actor handles and cannot start engines; "
                 "build it with InferenceEngineClient.from_config to restart engines."
             )
-        ray.kill(self._engines[index], no_restart=True)
-        engine = self._factory(index)
-        await engine.health.remote()
+        await _stop(self._engines[index])
+        engine = await asyncio.to_thread(self._factory, index)
         if self._latest_weights is not None:
             await engine.update_weights.remote(self._latest_weights, self._weight_version)
         self._engines[index] = engine  # its requests in flight failed and were counted out
@@ -479,6 +524,14 @@ class InferenceEngineClient:
             logger.warning("an inference engine did not shut down cleanly: %s", exc)
         for engine in self._engines:
             ray.kill(engine, no_restart=True)
+
+
+async def _stop(engine: ActorHandle, timeout_s: float = 30.0) -> None:
+    """End an engine actor: a live one shuts down first (releasing its accelerator memory), at most
+    `timeout_s`; then the actor is killed either way."""
+    with contextlib.suppress(ray.exceptions.RayError, TimeoutError):  # dead or hanging: the kill ends it
+        await asyncio.wait_for(engine.shutdown.remote(), timeout_s)
+    ray.kill(engine, no_restart=True)
 
 
 async def _gather(*awaitables: Awaitable[Any]) -> list[Any]:

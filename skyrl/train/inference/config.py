@@ -49,6 +49,7 @@ def validate_engine_config(cfg: InferenceEngineConfig) -> None:
         ("max_concurrent_requests", "1024"),
         ("num_cpus_per_engine", "1"),
         ("weight_sync_timeout_s", "600"),
+        ("start_timeout_s", "1800"),
     ]:
         _positive(k, name, getattr(cfg, name), example)
     if not 0 < cfg.gpu_memory_utilization <= 1:

@@ -375,6 +375,8 @@ class HFEngine(InferenceEngine):
 
     def _load_shared(self, group: SharedGroup) -> None:
         self._model.load_state_dict(dict(open_shared(group)), strict=False)
+        if group.gpu is not None:  # the copies out of the sender's buffer must end before it is reused
+            torch.cuda.current_stream().synchronize()
 
     async def reset_prefix_cache(self) -> None:
         """No-op: `generate` keeps no cache across requests."""

@@ -364,6 +364,8 @@ def _receive_weights(worker: Any, spec: StreamSpec) -> None:
 def _load_shared_group(worker: Any, group: SharedGroup) -> None:
     """Runs on every vLLM worker: map the shared group and load it (each worker keeps its own shard)."""
     worker.reload_weights(weights_iterator=open_shared(group))
+    if group.gpu is not None:  # the copies out of the sender's buffer must end before it is reused
+        torch.cuda.current_stream().synchronize()
 
 
 def _vllm_lora_rank(rank: int | None) -> int:

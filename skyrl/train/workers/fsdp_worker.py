@@ -201,10 +201,11 @@ class FSDPWorker:
                 f"{'missing' if importlib.util.find_spec('flash_attn') is None else 'installed'}); use sdpa"
             )
         self.packed = implementation == "flash_attention_2"  # varlen kernels: no padding at all
+        # loaded on the CPU: fully_shard moves each layer to the device as it shards it, so the GPU never
+        # holds the whole fp32 model (colocated engines start after the workers and need the room)
         model = self._load_model(attn_implementation=implementation)
         if self.lora is not None:  # the same seed on every rank: every rank starts from the same adapters
             add_adapters(model, self.lora, f"trainer.{self.role}.lora", self.full_heads)
-        model = model.to(self.device)
         if settings.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         root = TokenModel(model)
@@ -225,6 +226,12 @@ class FSDPWorker:
         self.model, self.root = model, root
         self.global_step = 0
         self._warned_long_unit = False
+        self._release_cached_memory()
+
+    def _release_cached_memory(self) -> None:
+        """Hand the CUDA caching allocator's free blocks back, for the colocated engines (GPU only)."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # ---- forward ----
     def _micro_batches(
@@ -324,6 +331,7 @@ class FSDPWorker:
                 for key, value in self._output(mb.to(self.device)).items():
                     outputs.setdefault(key, value.new_zeros(len(data), value.shape[1], device="cpu"))
                     outputs[key][indices] = value.cpu()
+        self._release_cached_memory()
         return TrainingInputBatch(outputs)
 
     def _own_part(
@@ -681,6 +689,7 @@ class TrainableWorker(FSDPWorker, abc.ABC):
             self.optimizer.step()
             self.scheduler.step()
             self.global_step += 1
+        self._release_cached_memory()
         return {**metrics, "lr": self.scheduler.get_last_lr()[0], "skipped_steps": float(skip)}
 
     def gradient_vector(self) -> torch.Tensor | None:

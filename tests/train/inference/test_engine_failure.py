@@ -149,3 +149,14 @@ def test_a_restart_outlives_the_request_that_started_it(ray_cluster, tiny_model_
         assert client.restarts == 1 and client.engines[0] is not dead and out.weight_version == 1
     finally:
         client.shutdown()
+
+
+def test_an_engine_that_cannot_start_stops_the_wait_naming_what_it_asked_and_what_is_free(
+    ray_cluster, tiny_model_path
+):
+    """An engine asking for a GPU the cluster lacks would wait in Ray's queue forever."""
+    from skyrl.train.inference import InferenceEngineClient, InferenceEngineConfig
+
+    cfg = InferenceEngineConfig(backend="hf", device="cpu", start_timeout_s=3)
+    with pytest.raises(TimeoutError, match=r"start_timeout_s=3 s; each asks for .*'num_gpus': 1.* free"):
+        InferenceEngineClient.from_config(cfg, str(tiny_model_path), resources={"num_cpus": 1, "num_gpus": 1})
