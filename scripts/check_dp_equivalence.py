@@ -189,7 +189,7 @@ def train_two_steps(
         history, grads = [], []
         for mini in policy.stage(batch, bounds, *split):
             step = {f"critic/{k}": v for k, v in critic.train([mini])[0].items()} if critic else {}
-            history.append(step | policy.train([mini])[0])
+            history.append(step | policy.train([mini], keep_gradients=True)[0])
             grads.append(policy.run("gradient_vector")[0])
         update = flat(policy.full_state_dict()) - before
     finally:

@@ -271,9 +271,10 @@ class ActorGroup:
         `kwargs` go to every rank's `forward` (e.g. `adapters=False`)."""
         return MeshDispatch.gather(staged, [self._run_staged("forward", mini, **kwargs) for mini in staged])
 
-    def train(self, staged: Sequence[StagedMiniBatch]) -> list[dict[str, float]]:
-        """One optimizer step per staged mini-batch; the metrics of each step (equal on every rank)."""
-        return [self._run_staged("train_mini_batch", mini)[0] for mini in staged]
+    def train(self, staged: Sequence[StagedMiniBatch], **kwargs: Any) -> list[dict[str, float]]:
+        """One optimizer step per staged mini-batch; the metrics of each step (equal on every rank);
+        `kwargs` go to every rank's `train_mini_batch` (e.g. `keep_gradients=True`)."""
+        return [self._run_staged("train_mini_batch", mini, **kwargs)[0] for mini in staged]
 
     def save_checkpoint(self, path: str | Path) -> None:
         self.run("save_checkpoint", str(path))

@@ -644,6 +644,7 @@ class TrainableWorker(FSDPWorker, abc.ABC):
         dp_size: int | None = None,
         balance: bool = False,
         cost_weight: float | None = None,
+        keep_gradients: bool = False,
     ) -> dict[str, float]:
         """One optimizer step on this rank's share of a mini-batch; returns mini-batch metrics.
 
@@ -652,7 +653,8 @@ class TrainableWorker(FSDPWorker, abc.ABC):
         (all-reduced), and gradients are summed over ranks. Metrics cover every
         micro-batch of every rank: `loss` is the mini-batch loss, means are weighted
         by loss tokens, extremes reduced with max / min, so none depends on the DP or
-        micro-batch size. Gradients are kept until the next call (see `gradient_vector`).
+        micro-batch size. Gradients are freed after the step (colocated engines need the memory), or
+        kept until the next call with `keep_gradients` (see `gradient_vector`).
         A non-finite loss or gradient norm skips the step: weights, optimizer state, LR schedule and
         `global_step` stay as they were, and `skipped_steps` is 1.
         """
@@ -689,12 +691,14 @@ class TrainableWorker(FSDPWorker, abc.ABC):
             self.optimizer.step()
             self.scheduler.step()
             self.global_step += 1
+            if not keep_gradients:
+                self.optimizer.zero_grad(set_to_none=True)
         self._release_cached_memory()
         return {**metrics, "lr": self.scheduler.get_last_lr()[0], "skipped_steps": float(skip)}
 
     def gradient_vector(self) -> torch.Tensor | None:
         """The full flattened gradient of the trained parameters (LoRA: the adapters) of the last
-        mini-batch on rank 0 (collective; None elsewhere)."""
+        mini-batch trained with `keep_gradients` on rank 0 (collective; None elsewhere)."""
         grads = [
             p.grad.full_tensor() if p.grad is not None else torch.zeros(p.shape) for p in self._trainable()
         ]
