@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 
 from skyrl.train.schema import LORA_SYNCS, InferenceEngineConfig, OpenAIServerConfig
 from skyrl.train.utils.errors import ConfigError
@@ -112,3 +113,16 @@ def check_action_space(cfg: InferenceEngineConfig, num_allowed: int, key: str) -
             f"allowed tokens per request. Shorten the list, set {key}=null, or use "
             f"{ENGINE_KEY}.backend=hf."
         )
+
+
+def check_gpu_memory(utilization: float, free_bytes: int, total_bytes: int) -> None:
+    """`ConfigError` when vLLM would refuse to start: it needs `utilization x total` of the GPU free at
+    start-up (whatever `kv_cache_memory_bytes` says), and colocated workers already hold part of it."""
+    if utilization * total_bytes <= free_bytes:
+        return
+    fits = max(0.01, math.floor((free_bytes / total_bytes - 0.02) * 100) / 100)
+    raise ConfigError(
+        f"{ENGINE_KEY}.gpu_memory_utilization={utilization} asks vLLM for {utilization * total_bytes / 2**30:.1f} "
+        f"GiB of this GPU's {total_bytes / 2**30:.1f} GiB, but {free_bytes / 2**30:.1f} GiB are free (colocated "
+        f"training workers hold the rest); set {ENGINE_KEY}.gpu_memory_utilization={fits} or lower."
+    )

@@ -23,7 +23,7 @@ from typing import Any
 import psutil
 import torch
 
-from skyrl.train.inference.config import CPU_KV_CACHE_BYTES
+from skyrl.train.inference.config import CPU_KV_CACHE_BYTES, check_gpu_memory
 from skyrl.train.inference.engine import (
     EngineHealth,
     GenerationOutput,
@@ -67,6 +67,8 @@ class VLLMEngine(InferenceEngine):
         self._lora_ids = itertools.count(1)
         self._lora: Any = None  # the LoRARequest new requests are served with (the latest adapter update)
         self._previous_lora: Any = None  # kept loaded for requests still in flight on it
+        if self._on_gpu:
+            check_gpu_memory(cfg.gpu_memory_utilization, *torch.cuda.mem_get_info())
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-engine")
         self._engine = self._thread.submit(self._create_engine, cfg).result()
         model_config = self._engine.model_config

