@@ -214,11 +214,11 @@ class Trainer:
         """The inference engines; colocated, engine i takes a fraction of the policy's bundle i and sleeps
         (freeing its GPU memory) while the workers train. A dead engine is restarted up to
         `generator.max_engine_restarts` times per run."""
-        e, restarts = self.cfg.generator.inference_engine, self.cfg.generator.max_engine_restarts
+        e = self._with_lora_rank(self.cfg.generator.inference_engine)
+        restarts = self.cfg.generator.max_engine_restarts
         key = f"environment.config.{self.cfg.environment.env_class}.allowed_tokens"
         check_action_space(resolve_engine_config(e), len(self.allowed_token_ids), key)
         if not self.colocated:
-            e = self._with_lora_rank(e)
             return InferenceEngineClient.from_config(e, self.model_path, max_restarts=restarts)
         strategies = [
             PlacementGroupSchedulingStrategy(placement_group=self._shared_pg, placement_group_bundle_index=i)
@@ -226,7 +226,6 @@ class Trainer:
         ]
         if self._engine_resources["num_gpus"]:
             e = replace(e, enable_sleep_mode=True)
-        e = self._with_lora_rank(e)
         return InferenceEngineClient.from_config(
             e, self.model_path, strategies, self._engine_resources, max_restarts=restarts
         )
