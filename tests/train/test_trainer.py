@@ -551,9 +551,10 @@ def test_skipped_optimizer_steps_in_a_row_end_the_run_past_the_limit():
             "generator.inference_engine.backend=hf",
             "trainer.placement.policy_num_gpus_per_node=2",
         ],
+        [*LORA, "generator.inference_engine.weight_sync=ipc", "generator.inference_engine.backend=hf"],
         [*LORA, "generator.inference_engine.lora_sync=adapter"],
     ],
-    ids=["object_store", "broadcast", "ipc", "lora_merged_broadcast_dp2", "lora_adapter"],
+    ids=["object_store", "broadcast", "ipc", "lora_merged_broadcast_dp2", "lora_merged_ipc", "lora_adapter"],
 )
 def test_a_run_survives_a_dead_engine(sync, ray_cluster, tiny_model_path, tmp_path):
     """An engine killed between steps is restarted with the current weights when the next step's
