@@ -281,9 +281,8 @@ class InferenceEngineConfig:
     max_concurrent_requests: int = 1024
     weight_sync: str = "auto"
     weight_sync_timeout_s: float = 600.0
-    start_timeout_s: float = (
-        1800.0  # an engine that does not serve by then (no GPU free, a hang) stops the run
-    )
+    # an engine that does not serve within this many seconds (no GPU free, a hang) stops the run
+    start_timeout_s: float = 1800.0
     # with policy LoRA: `merged` sends base + scale * B @ A by `weight_sync`; `adapter` only the adapters
     # (through the object store), which the engines serve as a LoRA adapter (a new one per version)
     lora_sync: str = "merged"

@@ -106,6 +106,8 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.step = 0
         self.weight_version = 0
+        self._engine_dtype: str | None = None  # the engines' weight dtype, asked at the first sync
+        self.sync_bytes = 0.0  # what one sync sends each engine (`_sync_dtype`)
         self._staged: dict[tuple, list[StagedMiniBatch]] = {}  # this step's staged mini-batches
         self._dispatch_bytes = 0
         self._tied_steps = 0  # consecutive steps in which every group's rewards tied
@@ -274,16 +276,7 @@ class Trainer:
             )
         if self.lora_sync == "adapter":  # a few MB: the object store, whatever the weights would take
             mode = "object_store"
-        # weights travel in the engines' dtype: fp32 master weights into bf16 engines would double the bytes
-        self.engine_dtype = self._await(self.client.health())[0].dtype
-        self.sync_bytes = self.policy.run("sync_nbytes", self.lora_sync == "adapter", self.engine_dtype)[0]
-        logger.info(
-            "weight sync: %s%s, %.1f MB per engine (%s)",
-            mode,
-            f" (LoRA, {self.lora_sync})" if self.lora_sync else "",
-            self.sync_bytes / 1e6,
-            self.engine_dtype,
-        )
+        logger.info("weight sync: %s%s", mode, f" (LoRA, {self.lora_sync})" if self.lora_sync else "")
         if mode != "object_store":
             self.client.weight_restorer = self._resend_weights
         if mode == "broadcast":
@@ -636,12 +629,22 @@ class Trainer:
         else:
             self.stream.sync(update, version)
 
+    def _sync_dtype(self) -> str:
+        """The engines' weight dtype, which every sync sends (fp32 master weights into bf16 engines would
+        double the bytes); asked once, when the bytes per sync are logged too."""
+        if self._engine_dtype is None:
+            self._engine_dtype = self._await(self.client.health())[0].dtype
+            adapters = self.lora_sync == "adapter"
+            self.sync_bytes = self.policy.run("sync_nbytes", adapters, self._engine_dtype)[0]
+            logger.info("weight sync: %.1f MB per engine (%s)", self.sync_bytes / 1e6, self._engine_dtype)
+        return self._engine_dtype
+
     def _weight_update(self, version: int, resend: bool = False) -> partial[Awaitable[None]]:
         """The engine-client call that sends the policy's weights as `version` by `weight_sync` (with
         `resend`, the engines' current version again)."""
+        dtype = self._sync_dtype()
         if self.lora_sync == "adapter":
             return partial(self.client.update_weights, self.policy.rank0_ref("adapter_state_dict"), version)
-        dtype = self.engine_dtype
         if self.weight_sync == "object_store":
             weights = self.policy.rank0_ref("full_state_dict", dtype)
             return partial(self.client.update_weights, weights, version)
