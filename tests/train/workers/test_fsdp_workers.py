@@ -23,6 +23,8 @@ from skyrl.train.workers.actor_group import ActorGroup, create_placement_group, 
 from skyrl.train.workers.dispatch import MeshDispatch
 from skyrl.train.workers.fsdp_worker import CHECKPOINT_DONE, CriticWorker, PolicyWorker, RefWorker
 
+from .conftest import row_logprobs
+
 
 @pytest.fixture(scope="module")
 def plain(ray_cluster, tiny_model_path):
@@ -137,13 +139,8 @@ def test_forward_logprobs_match_a_plain_hf_forward_of_each_unpadded_row(policy_d
     logprobs = policy_dp2.forward(policy_dp2.stage(batch, bounds, balance=True))["logprobs"]
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     for i in (0, 3, len(batch) - 1):
-        tokens = batch["sequences"][i][batch["attention_mask"][i].bool()]
         n = int(batch["response_mask"][i].sum())
-        prompt_length = len(tokens) - n
-        with torch.no_grad():
-            logits = model(tokens[None]).logits[0].float()
-        expected = torch.log_softmax(logits[:-1], -1).gather(-1, tokens[1:, None])[:, 0][prompt_length - 1 :]
-        torch.testing.assert_close(logprobs[i, :n], expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(logprobs[i, :n], row_logprobs(model, batch, i), rtol=1e-4, atol=1e-5)
 
 
 def test_checkpoint_round_trip_resumes_exactly_and_skips_half_written(policy_dp2, tiny_model_path, tmp_path):

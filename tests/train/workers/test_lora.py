@@ -24,6 +24,8 @@ from skyrl.train.workers.actor_group import ActorGroup, create_placement_group
 from skyrl.train.workers.fsdp_worker import PolicyWorker, RefWorker
 from skyrl.train.workers.lora import adapter_tensors, merge_adapters, target_module_names
 
+from .conftest import row_logprobs
+
 RANK = 4
 
 
@@ -131,12 +133,8 @@ def test_modules_to_save_train_in_full_and_export_in_peft_format(tiny_model_path
     assert not torch.equal(
         model.base_model.model.model.norm.modules_to_save["default"].weight, torch.ones(64)
     )
-    ids = batch["sequences"][0][batch["attention_mask"][0].bool()]
     response = int(batch["response_mask"][0].sum())
-    with torch.no_grad():
-        logits = model(ids[None]).logits[0, -response - 1 : -1]
-    logprobs = logits.log_softmax(-1).gather(-1, ids[-response:, None])[:, 0]
-    assert torch.allclose(logprobs, expected[0, :response], atol=1e-5)
+    assert torch.allclose(row_logprobs(model, batch, 0), expected[0, :response], atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -230,13 +228,9 @@ def test_exports_load_with_from_pretrained_and_give_the_trainers_logprobs(
         PeftModel.from_pretrained(base, tmp_path),
         AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32),
     ):
-        for row in range(3):  # unpadded rows: prompt and response tokens only
-            ids = batch["sequences"][row][batch["attention_mask"][row].bool()]
+        for row in range(3):
             response = int(batch["response_mask"][row].sum())
-            with torch.no_grad():
-                logits = model(ids[None]).logits[0, -response - 1 : -1]
-            logprobs = logits.log_softmax(-1).gather(-1, ids[-response:, None])[:, 0]
-            assert torch.allclose(logprobs, expected[row, :response], atol=1e-5), row
+            assert torch.allclose(row_logprobs(model, batch, row), expected[row, :response], atol=1e-5), row
 
 
 @pytest.mark.parametrize("backend", ["vllm", "hf"])
