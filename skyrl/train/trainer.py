@@ -139,8 +139,21 @@ class Trainer:
             else FixedKLController(kl.kl_coef)
         )
         self.colocated = t.placement.colocate_all
-        self._build_workers()
-        self.client = self._start_engines()
+        self._build_placement_groups()
+        # on GPUs colocated engines size their memory by what the loaded workers left free: they start
+        # after them; otherwise engines and workers start (import, load) at the same time
+        engines_first = not (self.colocated and self._engine_resources["num_gpus"])
+        if engines_first:
+            self.client = self._start_engines()
+        try:
+            self._start_workers()
+        except BaseException:
+            if engines_first:
+                self.client.shutdown()
+            raise
+        if not engines_first:
+            self.client = self._start_engines()
+        self.client.wait_until_serving()
         self._driver_cores: list[int] | None = None
         self._pin_to_cores()
         self._loop: BackgroundLoop | None = None  # once there is one, every engine-client call runs on it
@@ -161,9 +174,9 @@ class Trainer:
         self._initial_state = self._driver_state()  # what a worker restart before any checkpoint returns to
 
     # ---- construction ----
-    def _build_workers(self) -> None:
+    def _build_placement_groups(self) -> None:
         """Placement groups for the policy, and ref / critic when the algorithm needs them (one shared
-        by all when colocated), then the worker groups on them (`_start_workers`)."""
+        by all, engines included, when colocated); the worker groups go on them (`_start_workers`)."""
         p = self.cfg.trainer.placement
         cluster_gpus = ray.cluster_resources().get("GPU", 0)
         gpus = 1 if cluster_gpus > 0 else 0  # the driver may sit on a CPU node
@@ -187,11 +200,10 @@ class Trainer:
         self._shared_pg = bundles("policy") if p.colocate_all else None
         roles = ["policy"] + ["ref"] * self.use_ref + ["critic"] * self.use_critic
         self._worker_pgs = {role: self._shared_pg or bundles(role) for role in roles}
-        self._start_workers()
 
     def _start_workers(self) -> None:
         """The policy, ref and critic `ActorGroup`s over the `trainer` section, `placement.dp_size(role)`
-        ranks each, on the placement groups of `_build_workers`."""
+        ranks each, on the placement groups of `_build_placement_groups`."""
         t = self.cfg.trainer
         # logprobs of the distribution the engines sample from (greedy sampling: the plain softmax)
         sampled_from = {
@@ -221,7 +233,7 @@ class Trainer:
         key = f"environment.config.{self.cfg.environment.env_class}.allowed_tokens"
         check_action_space(resolve_engine_config(e), len(self.allowed_token_ids), key)
         if not self.colocated:
-            return InferenceEngineClient.from_config(e, self.model_path, max_restarts=restarts)
+            return InferenceEngineClient.from_config(e, self.model_path, max_restarts=restarts, wait=False)
         strategies = [
             PlacementGroupSchedulingStrategy(placement_group=self._shared_pg, placement_group_bundle_index=i)
             for i in range(e.num_engines)
@@ -229,7 +241,7 @@ class Trainer:
         if self._engine_resources["num_gpus"]:
             e = replace(e, enable_sleep_mode=True)
         return InferenceEngineClient.from_config(
-            e, self.model_path, strategies, self._engine_resources, max_restarts=restarts
+            e, self.model_path, strategies, self._engine_resources, max_restarts=restarts, wait=False
         )
 
     def _with_lora_rank(self, e: InferenceEngineConfig) -> InferenceEngineConfig:

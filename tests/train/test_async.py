@@ -13,7 +13,7 @@ from skyrl.train.trainer import Trainer, load_datasets
 from skyrl.train.utils.tracking import read_metrics
 from tests.train.test_trainer import KV, SMALL
 
-ASYNC = [*SMALL, "placement=disaggregated", "generator.inference_engine.backend=hf"]
+ASYNC = [*SMALL, "placement=disaggregated"]
 
 
 def build(overrides, run_dir, model_path):

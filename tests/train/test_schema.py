@@ -441,8 +441,9 @@ def build(monkeypatch, tmp_path, tiny_model_path, prompts):
         def placement_group(n, cpus_per_bundle, gpus_per_bundle):
             bundle_cpus.append(cpus_per_bundle)
 
-        def from_config(cfg, model_path, strategies=None, resources=None, max_restarts=0):
+        def from_config(cfg, model_path, strategies=None, resources=None, max_restarts=0, wait=True):
             engine.update(cfg=cfg, strategies=strategies, resources=resources, max_restarts=max_restarts)
+            return types.SimpleNamespace(wait_until_serving=lambda: None)
 
         monkeypatch.setattr(trainer_module, "ActorGroup", actor_group)
         monkeypatch.setattr(trainer_module, "create_placement_group", placement_group)

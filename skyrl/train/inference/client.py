@@ -131,6 +131,7 @@ class InferenceEngineClient:
         max_sessions: int = 100_000,
         ranks_per_engine: int = 1,
         max_restarts: int = 0,
+        starting: Callable[[], None] | None = None,  # blocks until the engines serve (`from_config`)
     ) -> None:
         assert engines, "a client needs at least one engine"
         self._engines = list(engines)
@@ -157,6 +158,7 @@ class InferenceEngineClient:
         self.weight_restorer: Callable[[], Awaitable[None]] | None = None
         self._restarting: dict[int, asyncio.Future] = {}  # restarts in progress, by engine index
         self._restart_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+        self._starting = starting
 
     @classmethod
     def from_config(
@@ -166,11 +168,13 @@ class InferenceEngineClient:
         scheduling_strategies: Sequence[Any] | None = None,
         resources: Mapping[str, float] | None = None,
         max_restarts: int = 0,
+        wait: bool = True,
     ) -> InferenceEngineClient:
         """Start `cfg.num_engines` engine actors, wait until they serve, and return a client that can restart them.
 
         `scheduling_strategies[i]` (e.g. a placement group bundle) places engine i; `resources` as in
-        `create_engine`; `max_restarts` dead engines are restarted by `generate` itself.
+        `create_engine`; `max_restarts` dead engines are restarted by `generate` itself. With
+        `wait=False` the engines start while the caller goes on; it calls `wait_until_serving` before use.
         """
         cfg = resolve_engine_config(cfg)
         strategies = list(scheduling_strategies or [None] * cfg.num_engines)
@@ -194,22 +198,36 @@ class InferenceEngineClient:
             return engine
 
         engines = [start(i) for i in range(cfg.num_engines)]  # they start in parallel
-        wait_until_serving(engines, cfg, resources)
-        logger.info(
-            "inference backend: %s, %d engine(s) on %s, tensor parallel %d, model %s",
-            cfg.backend,
-            cfg.num_engines,
-            cfg.device,
-            cfg.tensor_parallel_size,
-            model_path,
-        )
-        return cls(
+
+        def starting() -> None:
+            wait_until_serving(engines, cfg, resources)
+            logger.info(
+                "inference backend: %s, %d engine(s) on %s, tensor parallel %d, model %s",
+                cfg.backend,
+                cfg.num_engines,
+                cfg.device,
+                cfg.tensor_parallel_size,
+                model_path,
+            )
+
+        client = cls(
             engines,
             cfg.max_concurrent_requests,
             restart,
             ranks_per_engine=cfg.tensor_parallel_size,
             max_restarts=max_restarts,
+            starting=starting,
         )
+        if wait:
+            client.wait_until_serving()
+        return client
+
+    def wait_until_serving(self) -> None:
+        """Block until the engines that `from_config(wait=False)` started serve (the module's
+        `wait_until_serving`: a `TimeoutError` past `start_timeout_s`); then a no-op."""
+        if self._starting is not None:
+            starting, self._starting = self._starting, None
+            starting()
 
     @property
     def num_engines(self) -> int:
