@@ -16,13 +16,15 @@ def tiny_model_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def small_init_model_path(tmp_path_factory):
-    """The tiny model with Hugging Face's initializer_range 0.02 instead of the default 0.2: its logits
-    are ~10x smaller, and so are float summation-order differences. The layout equivalence tests keep
-    their 1e-5 bound on it (on the default model prefix-shared layouts' gradients differ by 1.1e-5)."""
+def learning_model_path(tmp_path_factory):
+    """The learning tests' model: the tiny model initialised with pretrained-like logit scales
+    (initializer_range 0.2 instead of 0.02). It learns the default task in fewer steps, and LoRA can
+    learn on it: with 0.02 the frozen tied embeddings and norm keep every token below ~1% (see
+    `create_tiny_model`). It is not the default model: the default job on it settles on a
+    deterministic strategy near 0.5 (measured), where the default model reaches ~0.98."""
     from skyrl.train.utils.tiny_model import create_tiny_model
 
-    return create_tiny_model(tmp_path_factory.mktemp("small-init-model"), initializer_range=0.02)
+    return create_tiny_model(tmp_path_factory.mktemp("learning-model"), initializer_range=0.2)
 
 
 @pytest.fixture(scope="session")

@@ -120,17 +120,19 @@ def test_the_generator_runs_ahead_within_the_staleness_bound(
 
 
 # over 60 s: the asynchronous loop must learn, which takes tens of steps
-def test_grpo_learns_guess_number_one_step_off_policy(ray_cluster, tiny_model_path, tmp_path, learning_seed):
+def test_grpo_learns_guess_number_one_step_off_policy(
+    ray_cluster, learning_model_path, tmp_path, learning_seed
+):
     """The learning test's task, settings and margin, generating one step ahead, with truncated
     importance sampling (the default task's large steps move the policy ~0.2 nats per token per
     step; uncorrected, 1 of 6 runs measured stayed at random guessing for 70 steps)."""
     overrides = [
-        *learning(learning_seed),
+        *learning(learning_model_path, learning_seed),
         "placement=disaggregated",
         "trainer.async_training.max_staleness=1",
         "trainer.algorithm.off_policy_correction=tis",
     ]
-    history, _ = run(overrides, tmp_path, tiny_model_path)
+    history, _ = run(overrides, tmp_path, learning_model_path)
     assert_learns(history)
     assert max(m["async/staleness_max"] for m in history) == 1
 

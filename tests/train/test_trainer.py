@@ -44,17 +44,18 @@ SMALL = [
 
 
 LORA = ["trainer.policy.lora.rank=8", "trainer.policy.lora.alpha=16"]
-# The learning tests' preset: the default task and settings with 4 epochs per batch instead of 2 (16
-# optimizer steps per step), for 60 steps (the cosine schedule spans them). Random guessing scores ~0.4
-# and a 10-step mean moves by ~0.02 from noise. The default tiny model often rises within the first
-# steps, then may hold near 0.5 for a while: at 30 steps 1 of 9 runs ended 0.03 above its first 5 steps
-# (margins over seeds: the note of issue 27).
+# The learning tests' preset: the default task and settings on `learning_model_path` with 4 epochs per
+# batch instead of 2 (16 optimizer steps per step), for 60 steps (the cosine schedule spans them).
+# Random guessing scores ~0.4 and a 10-step mean moves by ~0.02 from noise. The model often rises within
+# the first steps, then may hold near 0.5 for a while: at 30 steps 1 of 9 runs ended 0.03 above its first
+# 5 steps (margins over seeds: the note of issue 27).
 LEARNING_STEPS, MARGIN = 60, 0.06
 
 
-def learning(seed: int) -> list[str]:
-    """The overrides of a learning run with `seed` (the prompts, their order, the sampling)."""
+def learning(model, seed: int) -> list[str]:
+    """The overrides of a learning run on `model` with `seed` (the prompts, their order, the sampling)."""
     return [
+        f"trainer.policy.model.path={model}",
         f"trainer.total_steps={LEARNING_STEPS}",
         "trainer.update_epochs_per_batch=4",
         f"trainer.seed={seed}",
@@ -101,29 +102,28 @@ def run(overrides, run_dir, model_path, stop_after=None, cls=Trainer):
 
 
 # over 60 s: the whole loop must learn, which takes tens of steps
-def test_grpo_learns_guess_number(ray_cluster, tiny_model_path, tmp_path, learning_seed):
+def test_grpo_learns_guess_number(ray_cluster, learning_model_path, tmp_path, learning_seed):
     """The default task and settings (vLLM engine, colocated), shortened; with a learning rate of ~0
     the margin is not reached."""
-    history = run(learning(learning_seed), tmp_path, tiny_model_path)
+    history = run(learning(learning_model_path, learning_seed), tmp_path, learning_model_path)
     assert_learns(history)
     assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, LEARNING_STEPS + 1))
 
 
 # over 60 s: adapters must learn the task, which takes tens of steps
 def test_lora_learns_guess_number_with_adapter_sync_and_the_disabled_adapter_as_reference(
-    ray_cluster, tiny_model_path, tmp_path, learning_seed
+    ray_cluster, learning_model_path, tmp_path, learning_seed
 ):
-    """The learning test with rank-8 adapters on the default tiny model, the engine serving them as a
-    vLLM LoRA adapter, and a KL loss whose reference is the policy with its adapters disabled (no
-    reference worker)."""
+    """The learning test with rank-8 adapters, the engine serving them as a vLLM LoRA adapter, and a KL
+    loss whose reference is the policy with its adapters disabled (no reference worker)."""
     overrides = [
-        *learning(learning_seed),
+        *learning(learning_model_path, learning_seed),
         *LORA,
         "trainer.policy.optimizer.lr=5e-3",
         "generator.inference_engine.lora_sync=adapter",
         "trainer.algorithm.use_kl_loss=true",
     ]
-    trainer = build(compose_config(overrides), tmp_path / "run", tiny_model_path)
+    trainer = build(compose_config(overrides), tmp_path / "run", learning_model_path)
     try:
         assert trainer.ref is None and trainer.ref_from_policy
         merged_bytes = trainer.policy.run("sync_nbytes", False)[0]

@@ -33,7 +33,7 @@ CORPUS = [
     *["Say the word higher lower correct number guess answer. Play. Go. Start. Again."] * 10,
     " ".join(str(i) for i in range(101)),
 ]
-TINY_MODEL_VERSION = "tiny-qwen2-v3"  # v3: initializer_range 0.2
+TINY_MODEL_VERSION = "tiny-qwen2-v2"
 
 
 def create_tiny_model(
@@ -44,14 +44,13 @@ def create_tiny_model(
     intermediate_size: int = 256,
     vocab_size: int = 512,
     seed: int = 0,
-    initializer_range: float = 0.2,
+    initializer_range: float = 0.02,
 ) -> Path:
     """Write a randomly initialised Qwen2 model and its tokenizer to `path`; returns the path.
 
-    `initializer_range` is the weights' standard deviation. The default 0.2 gives pretrained-like logit
-    scales; with HF's 0.02 the logits of the tied embeddings stay within about +-1.3, so a model whose
-    embeddings and final norm are frozen (LoRA) cannot make any token likelier than ~1% and does not
-    learn, and full fine-tuning of the default task learns more slowly (flat over 30 steps, measured).
+    `initializer_range` is the weights' standard deviation; with 0.02 (HF's default) the logits of the
+    tied embeddings stay within about +-1.3, so a model whose embeddings and final norm are frozen
+    (LoRA) cannot make any token likelier than ~1%; 0.2 gives pretrained-like logit scales.
 
     head_dim = hidden_size / num_heads must be one vLLM's CPU attention supports
     (32, 64, 80, 96, 112, 128, ...); the default is 32. Deterministic for a seed.

@@ -24,14 +24,6 @@ def start_client(backend: str, model_path, **overrides) -> InferenceEngineClient
 
 
 @pytest.fixture(scope="session")
-def tiny_model_path(small_init_model_path):
-    """The engine tests' model: the tiny model with initializer_range 0.02, whose greedy decoding repeats
-    the last prompt token and never emits eos (`LOOP_PROMPT`, which the length, abort and restart tests
-    need); the default model's (0.2) does not."""
-    return small_init_model_path
-
-
-@pytest.fixture(scope="session")
 def reference_model(tiny_model_path):
     from transformers import AutoModelForCausalLM
 

@@ -27,15 +27,13 @@ from .conftest import row_logprobs
 
 
 @pytest.fixture(scope="module")
-def plain(ray_cluster, small_init_model_path):
+def plain(ray_cluster, tiny_model_path):
     """The plain path's run per (advantage estimator, loss reduction), trained once."""
     runs = {}
 
     def run(estimator="grpo", reduction="token_mean"):
         if (estimator, reduction) not in runs:
-            runs[estimator, reduction] = train_two_steps(
-                str(small_init_model_path), None, estimator, reduction
-            )
+            runs[estimator, reduction] = train_two_steps(str(tiny_model_path), None, estimator, reduction)
         return runs[estimator, reduction]
 
     return run
@@ -72,13 +70,13 @@ def test_reference_run_actually_trains(plain):
     ("estimator", "reduction", "layout"), [c[1:] for c in COMPARISONS], ids=[c[0] for c in COMPARISONS]
 )
 def test_every_compute_layout_trains_like_the_plain_path(
-    plain, small_init_model_path, estimator, reduction, layout
+    plain, tiny_model_path, estimator, reduction, layout
 ):
     """DP=2 (strided, balanced, delayed split), micro-batch and token-budget sizes, and prefix-shared
     step-wise rows give the plain path's losses, gradients, update and metrics, for every reduction and
     estimator (GAE with its critic)."""
     assert_equivalent(
-        plain(estimator, reduction), train_two_steps(str(small_init_model_path), layout, estimator, reduction)
+        plain(estimator, reduction), train_two_steps(str(tiny_model_path), layout, estimator, reduction)
     )
 
 
