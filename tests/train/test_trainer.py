@@ -530,13 +530,17 @@ def test_a_generator_class_of_the_users_runs_the_episodes(ray_cluster, tiny_mode
     overrides = [
         *SMALL,
         "generator.generator_class=tests.train.generator.user_generators:OneTurn",
-        "trainer.total_steps=2",
-        "trainer.eval_interval=2",
+        "trainer.total_steps=3",
+        "trainer.eval_interval=3",
         "data.num_generated_eval_prompts=4",
     ]
     history = run(overrides, tmp_path, tiny_model_path)
-    assert [m["episode/turns"] for m in history] == [1.0, 1.0]  # guess_number's env would take up to 4
-    assert all(m["episode/response_tokens_max"] == 1 and m["policy/grad_norm"] > 0 for m in history)
+    assert [m["episode/turns"] for m in history] == [1.0] * 3  # guess_number's env would take up to 4
+    assert all(m["episode/response_tokens_max"] == 1 and m["batch/sequences"] == 16 for m in history)
+    # A step whose groups all tie (every sample right or every one wrong, ~3% of steps here: the engine's
+    # sampling is not seeded per request) has zero advantages and so no gradient; three steps all tying
+    # is ~4e-5.
+    assert any(m["policy/grad_norm"] > 0 for m in history)
     assert "eval/greedy/reward_mean" in history[-1]
 
 
