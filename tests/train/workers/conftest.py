@@ -1,9 +1,6 @@
 """Helpers for worker tests."""
 
-import pytest
 import torch
-
-from scripts.check_dp_equivalence import WorkerPool
 
 
 @torch.no_grad()
@@ -13,11 +10,3 @@ def row_logprobs(model: torch.nn.Module, batch, row: int) -> torch.Tensor:
     response = int(batch["response_mask"][row].sum())
     logits = model(tokens[None]).logits[0, -response - 1 : -1].float()
     return logits.log_softmax(-1).gather(-1, tokens[-response:, None])[:, 0]
-
-
-@pytest.fixture(scope="module")
-def worker_pool(ray_cluster, tiny_model_path):
-    """The module's `train_two_steps` actor groups (the policy and the critic on 1 and 2 ranks, as used)."""
-    pool = WorkerPool(str(tiny_model_path))
-    yield pool
-    pool.close()

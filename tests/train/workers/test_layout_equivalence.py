@@ -3,8 +3,23 @@ The runs share the module's actor groups (`worker_pool`), reloaded for each."""
 
 import pytest
 
-from scripts.check_dp_equivalence import COMPARISONS, relative_differences, stepwise_batch, train_two_steps
+from scripts.check_dp_equivalence import (
+    COMPARISONS,
+    WorkerPool,
+    relative_differences,
+    stepwise_batch,
+    train_two_steps,
+)
 from skyrl.train.dataset.preprocess import layout_metrics
+
+
+@pytest.fixture(scope="module")
+def worker_pool(ray_cluster, tiny_model_path):
+    """The runs' actor groups: the policy and the critic on 1 and on 2 ranks (6 of the cluster's CPUs
+    while this module runs)."""
+    pool = WorkerPool(str(tiny_model_path))
+    yield pool
+    pool.close()
 
 
 @pytest.fixture(scope="module")

@@ -138,8 +138,8 @@ def test_modules_to_save_train_in_full_and_export_in_peft_format(tiny_model_path
 
 
 @pytest.fixture(scope="module")
-def plain_lora(worker_pool, tiny_model_path):
-    return train_two_steps(str(tiny_model_path), Layout(lora_rank=RANK), pool=worker_pool)
+def plain_lora(ray_cluster, tiny_model_path):
+    return train_two_steps(str(tiny_model_path), Layout(lora_rank=RANK))
 
 
 @pytest.mark.parametrize(
@@ -150,13 +150,13 @@ def plain_lora(worker_pool, tiny_model_path):
     ],
     ids=["DP=2", "prefix-shared, DP=2, budget 24"],
 )
-def test_lora_layouts_train_like_the_plain_lora_path(plain_lora, worker_pool, tiny_model_path, layout):
+def test_lora_layouts_train_like_the_plain_lora_path(plain_lora, tiny_model_path, layout):
     assert plain_lora.update.norm() > 0 and all(n > 0 for n in plain_lora.grad_norms)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     inject_adapter_in_model(LoraConfig(r=RANK, target_modules=target_module_names(model)), model)
     adapter_numel = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
     assert plain_lora.gradients[0].numel() == adapter_numel  # only the adapters have gradients
-    diffs = relative_differences(plain_lora, train_two_steps(str(tiny_model_path), layout, pool=worker_pool))
+    diffs = relative_differences(plain_lora, train_two_steps(str(tiny_model_path), layout))
     assert diffs["loss"] < 1e-5 and diffs["grad_norm"] < 1e-5 and diffs["gradient"] < 1e-5, diffs
     assert diffs["param_update"] < 1e-4, diffs
 
