@@ -150,12 +150,13 @@ class WorkerPool:
 
     def group(self, worker_cls: type[FSDPWorker], size: int, cfg: TrainerConfig) -> ActorGroup:
         """`size` ranks of `worker_cls` with a freshly loaded model and optimizer, configured by `cfg`."""
-        if (worker_cls, size) not in self.groups:
-            pg = create_placement_group(size)
-            self.groups[worker_cls, size] = ActorGroup(worker_cls, cfg, self.model_path, size, pg), pg
-            return self.groups[worker_cls, size][0]
-        group = self.groups[worker_cls, size][0]
-        ray.get([actor.__ray_call__.remote(_reconfigure, cfg) for actor in group.actors])
+        if (worker_cls, size) in self.groups:
+            group = self.groups[worker_cls, size][0]
+            ray.get([actor.__ray_call__.remote(_reconfigure, cfg) for actor in group.actors])
+            return group
+        pg = create_placement_group(size)
+        group = ActorGroup(worker_cls, cfg, self.model_path, size, pg)
+        self.groups[worker_cls, size] = group, pg
         return group
 
     def close(self) -> None:

@@ -52,23 +52,11 @@ LORA = ["trainer.policy.lora.rank=8", "trainer.policy.lora.alpha=16"]
 LEARNING_STEPS, MARGIN = 60, 0.06
 
 
-def learning(model, seed: int, steps: int = LEARNING_STEPS) -> list[str]:
-    """The overrides of a learning run on `model` with `seed` (the prompts, their order, the sampling)."""
-    return [
-        f"trainer.policy.model.path={model}",
-        f"trainer.total_steps={steps}",
-        "trainer.update_epochs_per_batch=4",
-        f"trainer.seed={seed}",
-        f"generator.inference_engine.seed={seed}",
-        "trainer.logger=[jsonl]",
-        f"generator.inference_engine.{KV}",
-    ]
-
-
 # The fast-learning task of the LoRA and asynchronous learning tests: the default task in one turn with
 # the hidden number always 3, so what is learned is one guess. The first step (the initial policy) scores
-# 0.01-0.07, the policy guesses 3 every time within 2-3 steps (8 seeds each: the note of issue 27).
-FAST_STEPS, FAST_MARGIN = 10, 0.4
+# 0.00-0.07, the policy guesses 3 every time within 2-4 steps (8 seeds each: the note of issue 27). Its
+# assertion: the last 5 steps beat the first one by 0.4.
+FAST_STEPS = 10
 FAST = [
     "environment.config.guess_number.min_value=3",
     "environment.config.guess_number.max_value=3",
@@ -77,10 +65,25 @@ FAST = [
 ]
 
 
-def assert_learns(
-    history: list[dict[str, float]], margin: float = MARGIN, first: int = 5, last: int = 10
-) -> None:
-    """The mean reward of the last `last` steps beats the first `first` steps' by `margin`."""
+def learning(model, seed: int, fast: bool = False) -> list[str]:
+    """The overrides of a learning run on `model` with `seed` (the prompts, their order, the sampling);
+    `fast`: on the fast-learning task."""
+    return [
+        f"trainer.policy.model.path={model}",
+        f"trainer.total_steps={FAST_STEPS if fast else LEARNING_STEPS}",
+        "trainer.update_epochs_per_batch=4",
+        f"trainer.seed={seed}",
+        f"generator.inference_engine.seed={seed}",
+        "trainer.logger=[jsonl]",
+        f"generator.inference_engine.{KV}",
+        *(FAST if fast else []),
+    ]
+
+
+def assert_learns(history: list[dict[str, float]], fast: bool = False) -> None:
+    """The mean reward of the last 10 steps beats the first 5 steps' by `MARGIN`; `fast`: the last 5
+    beat the first step by 0.4."""
+    margin, first, last = (0.4, 1, 5) if fast else (MARGIN, 5, 10)
     rewards = [round(m["reward/mean"], 3) for m in history]
     start, end = sum(rewards[:first]) / first, sum(rewards[-last:]) / last
     print(f"learning margin {end - start:+.3f} ({start:.3f} -> {end:.3f}; threshold {margin}): {rewards}")
@@ -130,8 +133,7 @@ def test_lora_learns_guess_number_with_adapter_sync_and_the_disabled_adapter_as_
     """The fast-learning task (`FAST`) with rank-8 adapters, the engine serving them as a vLLM LoRA
     adapter, and a KL loss whose reference is the policy with its adapters disabled (no reference worker)."""
     overrides = [
-        *learning(learning_model_path, learning_seed, FAST_STEPS),
-        *FAST,
+        *learning(learning_model_path, learning_seed, fast=True),
         *LORA,
         "trainer.policy.optimizer.lr=5e-3",
         "generator.inference_engine.lora_sync=adapter",
@@ -144,7 +146,7 @@ def test_lora_learns_guess_number_with_adapter_sync_and_the_disabled_adapter_as_
         history = trainer.fit()
     finally:
         trainer.shutdown()
-    assert_learns(history, FAST_MARGIN, first=1, last=5)
+    assert_learns(history, fast=True)
     assert history[0]["kl/mean"] == 0 < history[-1]["kl/mean"]  # the policy starts as its reference
     assert max(m["policy/rollout_logprob_gap"] for m in history) < 1e-4  # the engine serves the adapters
     assert history[0]["sync/bytes_per_engine"] < 0.2 * merged_bytes
