@@ -9,6 +9,7 @@ tree for command-line overrides, as `python -m skyrl.train` does.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -446,8 +447,10 @@ def _validate_lora(cfg: SkyRLConfig) -> None:
     )
 
 
+@functools.cache
 def register_schema() -> None:
-    """Make the schema available to the YAML tree as `skyrl_schema`."""
+    """Make the schema available to the YAML tree as `skyrl_schema` (once a process: storing it converts
+    the whole dataclass tree, a third of a `compose_config` call)."""
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="skyrl_schema", node=SkyRLConfig)
