@@ -51,24 +51,34 @@ def prompts(episodes):
     return [tuple(e.trajectory.turns[0].context_ids) for e in episodes]
 
 
+# Greedy rollouts and a learning rate too small to move a weight, PPO (its critic gives the advantages
+# of identical samples a gradient), checkpoints every 2 steps: the runs of the data-path and resume tests.
+STILL = [
+    *ASYNC,
+    "generator.sampling.temperature=0",
+    "trainer.policy.optimizer.lr=1e-30",
+    "algorithm=ppo",
+    "trainer.ckpt_interval=2",
+    "trainer.total_steps=4",
+]
+AHEAD = [*STILL, "trainer.async_training.max_staleness=1"]
+
+
+@pytest.fixture(scope="module")
+def ahead_run(ray_cluster, tiny_model_path, tmp_path_factory):
+    """`AHEAD` for 4 steps, uninterrupted: the asynchronous run of the data-path test and the straight
+    run of the resume test (one trainer start for both)."""
+    return run(AHEAD, tmp_path_factory.mktemp("ahead"), tiny_model_path)
+
+
 def test_async_data_path_reproduces_the_synchronous_run_while_the_weights_stand_still(
-    ray_cluster, tiny_model_path, tmp_path
+    ahead_run, tiny_model_path, tmp_path
 ):
-    """Greedy rollouts and a learning rate too small to move a weight, so generating ahead samples
-    what the synchronous loop samples: any difference is the asynchronous data path's (draw order,
-    grouping, batches, metrics). PPO's critic gives the advantages of identical samples a gradient."""
-    common = [
-        *ASYNC,
-        "generator.sampling.temperature=0",
-        "trainer.policy.optimizer.lr=1e-30",
-        "algorithm=ppo",
-        "trainer.total_steps=3",
-    ]
-    sync, sync_steps = run(common, tmp_path / "sync", tiny_model_path)
-    ahead, ahead_steps = run(
-        [*common, "trainer.async_training.max_staleness=1"], tmp_path / "async", tiny_model_path
-    )
-    assert [m["async/staleness_max"] for m in ahead] == [0, 1, 1]
+    """While the weights stand still, generating ahead samples what the synchronous loop samples: any
+    difference is the asynchronous data path's (draw order, grouping, batches, metrics)."""
+    sync, sync_steps = run(STILL, tmp_path / "sync", tiny_model_path)
+    ahead, ahead_steps = ahead_run
+    assert [m["async/staleness_max"] for m in ahead] == [0, 1, 1, 1]
     assert "async/staleness_max" not in sync[0]
     for (_, a), (_, b) in zip(sync_steps, ahead_steps, strict=True):
         assert prompts(a) == prompts(b)
@@ -136,23 +146,15 @@ def test_grpo_learns_guess_number_one_step_off_policy(
     assert max(m["async/staleness_max"] for m in history) == 1
 
 
-def test_resume_mid_run_with_async_continues_the_same_run(ray_cluster, tiny_model_path, tmp_path):
-    common = [
-        *ASYNC,
-        "trainer.ckpt_interval=2",
-        "algorithm=ppo",
-        "generator.sampling.temperature=0",
-        "trainer.async_training.max_staleness=1",
-        "trainer.total_steps=4",
-    ]
-    _, straight_steps = run(common, tmp_path / "straight", tiny_model_path)
-    run(common, tmp_path / "killed", tiny_model_path, stop_after=3)
+def test_resume_mid_run_with_async_continues_the_same_run(ahead_run, tiny_model_path, tmp_path):
+    _, straight_steps = ahead_run
+    run(AHEAD, tmp_path / "killed", tiny_model_path, stop_after=3)
     # the checkpoint holds the prompts the trained steps took, not those the stream drew ahead
     state = json.loads(
         (tmp_path / "killed" / "checkpoints" / "global_step_2" / "trainer_state.json").read_text()
     )
     assert state["loader"] == {"epoch": 0, "position": 8}  # 2 steps x 4 prompts
-    resumed, resumed_steps = run(common, tmp_path / "killed", tiny_model_path)
+    resumed, resumed_steps = run(AHEAD, tmp_path / "killed", tiny_model_path)
     assert len(resumed) == 2
     for (_, a), (version, b) in zip(straight_steps[2:], resumed_steps, strict=True):
         assert prompts(a) == prompts(b)

