@@ -13,7 +13,9 @@ import shlex
 import shutil
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -24,7 +26,13 @@ from skyrl.train.overrides import check_config_name, check_overrides
 from skyrl.train.schema import SkyRLConfig
 from skyrl.train.utils.errors import ConfigError
 
+if TYPE_CHECKING:
+    from skyrl.train.dataset.prompt_dataset import PromptDataset
+
+    Datasets = tuple[PromptDataset, PromptDataset | None]
+
 HTTP_CLIENT_LOGGERS = ("httpx", "httpx2", "httpcore")
+T = TypeVar("T")
 
 register_schema()
 
@@ -66,16 +74,23 @@ def summary(cfg: SkyRLConfig, run_dir: Path, history: list[dict[str, float]]) ->
     )
 
 
-def train(cfg: SkyRLConfig, run_dir: Path) -> list[dict[str, float]]:
-    """Build the trainer in `run_dir`, resume if asked, train, and summarise the run."""
+def load_inputs(cfg: SkyRLConfig) -> tuple[str, Datasets]:
+    """The policy's model path and the (train, eval) datasets, read before a cluster starts: a wrong model
+    path or a bad dataset row stops the run in seconds."""
     from transformers import AutoTokenizer
 
-    from skyrl.train.trainer import Trainer, load_datasets, resolve_model_path
-    from skyrl.train.utils.plotting import plot_metrics
+    from skyrl.train.trainer import load_datasets, resolve_model_path
 
     model_path = resolve_model_path(cfg.trainer.policy.model.path)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    trainer = Trainer(cfg, run_dir, model_path, load_datasets(cfg, tokenizer))
+    return model_path, load_datasets(cfg, AutoTokenizer.from_pretrained(model_path))
+
+
+def train(cfg: SkyRLConfig, run_dir: Path, model_path: str, datasets: Datasets) -> list[dict[str, float]]:
+    """Build the trainer in `run_dir`, resume if asked, train, and summarise the run."""
+    from skyrl.train.trainer import Trainer
+    from skyrl.train.utils.plotting import plot_metrics
+
+    trainer = Trainer(cfg, run_dir, model_path, datasets)
     try:
         history = trainer.fit()
     finally:
@@ -98,9 +113,15 @@ def main(dict_cfg: DictConfig) -> None:
     # an agent's HTTP client logs every request at INFO; the run's console keeps its own lines
     for name in HTTP_CLIENT_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    model_path, datasets = _or_report(cfg, run_dir, lambda: load_inputs(cfg))
     start_ray(cfg)
+    _or_report(cfg, run_dir, lambda: train(cfg, run_dir, model_path, datasets))
+
+
+def _or_report(cfg: SkyRLConfig, run_dir: Path, call: Callable[[], T]) -> T:
+    """`call()`; on an error, exit with its one-paragraph report (`failure_report`)."""
     try:
-        train(cfg, run_dir)
+        return call()
     except ConfigError as e:
         sys.exit(f"config error: {e}")
     except (Exception, KeyboardInterrupt) as e:
