@@ -1,4 +1,5 @@
-"""`python -m skyrl.train [key=value ...]`: compose the config, validate it, start or join Ray, train.
+"""`python -m skyrl.train [key=value ...]`: compose the config, validate it, read the model path and the datasets,
+start or join Ray, train.
 
 With no overrides it trains the tiny default model on `guess_number` on this
 machine's CPU. The Hydra output directory is the run directory: resolved config,
