@@ -207,6 +207,15 @@ def test_ppo_trains_a_critic(ray_cluster, tiny_model_path, tmp_path):
         assert m["critic/optimizer_steps"] == m["policy/optimizer_steps"] == 4  # 4 prompts / 2, two epochs
 
 
+class KillsAnEngine(Trainer):
+    """Kills engine 0 between steps 1 and 2 (after step 1's weight sync)."""
+
+    def train_step(self):
+        if self.step == 1:
+            ray.kill(self.client.engines[0])
+        return super().train_step()
+
+
 @pytest.mark.parametrize(
     "layout",
     [
@@ -217,22 +226,35 @@ def test_ppo_trains_a_critic(ray_cluster, tiny_model_path, tmp_path):
     ],
     ids=["broadcast", "ipc"],
 )
-def test_streamed_weight_sync_keeps_engines_on_the_policy_weights(
+def test_streamed_weight_sync_keeps_engines_on_the_policy_weights_through_an_engine_restart(
     ray_cluster, tiny_model_path, tmp_path, layout
 ):
-    """Two policy ranks stream the weights one layer at a time: after every update the engines sample
-    with the policy's weights, so rollout and trainer logprobs agree."""
+    """Two policy ranks stream their LoRA-merged weights one layer at a time: after every update the
+    engines sample with the policy's weights, so rollout and trainer logprobs agree. Engine 0, killed
+    after step 1, is restarted when step 2's requests find it dead and sent the weights again (these
+    paths keep no copy; broadcast: in a new group). A large learning rate makes the policy's step-1
+    weights far from the checkpoint's (an engine left on the latter: a gap of ~0.2)."""
     overrides = [
         *SMALL,
+        *LORA,
         *layout,
         "trainer.total_steps=3",
         "trainer.placement.policy_num_gpus_per_node=2",
+        "trainer.policy.optimizer.lr=1e-3",
+        "generator.max_engine_restarts=1",
         # whitened over the batch: a step has a gradient even when every group's rewards tie (GRPO's zero)
         "trainer.algorithm.advantage_estimator=reinforce++",
     ]
-    history = run(overrides, tmp_path, tiny_model_path)
-    assert all(m["policy/grad_norm"] > 0 for m in history)
+    trainer = build(compose_config(overrides), tmp_path, tiny_model_path, KillsAnEngine)
+    try:
+        history = trainer.fit()
+        versions = [h.weight_version for h in asyncio.run(trainer.client.health())]
+    finally:
+        trainer.shutdown()
+    assert [m["engine/restarts"] for m in history] == [0.0, 1.0, 1.0]
+    assert all(m["policy/grad_norm"] > 0 and m["episode/env_failures"] == 0 for m in history)
     assert [m["policy/rollout_logprob_gap"] < 1e-4 for m in history] == [True] * 3, history
+    assert set(versions) == {3}  # the restarted engine got step 1's weights, then steps 2 and 3's syncs
 
 
 # One run of the default placement (colocated) with an HTTP endpoint, truncated importance sampling and
@@ -583,24 +605,16 @@ def test_skipped_optimizer_steps_in_a_row_end_the_run_past_the_limit():
     "sync",
     [
         ["generator.inference_engine.weight_sync=object_store"],
-        # the streamed paths resend LoRA-merged weights (the same resend as full weights, which the
-        # streamed-sync test above checks each step), broadcast from two ranks
-        [
-            *LORA,
-            "generator.inference_engine.weight_sync=broadcast",
-            "placement=disaggregated",
-            "trainer.placement.policy_num_gpus_per_node=2",
-        ],
-        [*LORA, "generator.inference_engine.weight_sync=ipc"],
         # adapters: the restarted engine loads the latest one
         [*LORA, "generator.inference_engine.lora_sync=adapter"],
+        # the streamed paths (broadcast, ipc): the streamed weight-sync test above
     ],
-    ids=["object_store", "broadcast_lora_merged_dp2", "ipc_lora_merged", "lora_adapter"],
+    ids=["object_store", "lora_adapter"],
 )
 def test_a_run_survives_a_dead_engine(sync, ray_cluster, tiny_model_path, tmp_path):
     """An engine killed between steps is restarted with the current weights when the next step's
-    requests find it dead (broadcast: in a new group; broadcast and ipc keep no copy, so the policy
-    sends them again); they are issued again and the step trains as usual. A large learning rate
+    requests find it dead (from the object store's copy; adapters: the latest adapter); they are
+    issued again and the step trains as usual. A large learning rate
     makes the policy's step-1 weights far from the checkpoint's: the restarted engine samples with
     the former, so its logprobs match the policy's."""
     overrides = [*SMALL, *sync, "trainer.total_steps=2", "generator.max_engine_restarts=1"]
