@@ -142,7 +142,7 @@ def test_grpo_learns_guess_number_one_step_off_policy(
         "trainer.algorithm.off_policy_correction=tis",
     ]
     history, _ = run(overrides, tmp_path, learning_model_path)
-    assert_learns(history, fast=True)
+    assert_learns(history)
     assert max(m["async/staleness_max"] for m in history) == 1
 
 
