@@ -225,6 +225,17 @@ class KillsAnEngine(Trainer):
         return super().train_step()
 
 
+def run_killing_an_engine(overrides, run_dir, model_path) -> tuple[list[dict[str, float]], list[int]]:
+    """Train with `overrides`, engine 0 killed after step 1 (`KillsAnEngine`); the metrics, and each
+    engine's weight version at the end."""
+    trainer = build(compose_config(overrides), run_dir, model_path, KillsAnEngine)
+    try:
+        history = trainer.fit()
+        return history, [h.weight_version for h in asyncio.run(trainer.client.health())]
+    finally:
+        trainer.shutdown()
+
+
 @pytest.mark.parametrize(
     "layout",
     [
@@ -254,12 +265,7 @@ def test_streamed_weight_sync_keeps_engines_on_the_policy_weights_through_an_eng
         # whitened over the batch: a step has a gradient even when every group's rewards tie (GRPO's zero)
         "trainer.algorithm.advantage_estimator=reinforce++",
     ]
-    trainer = build(compose_config(overrides), tmp_path, tiny_model_path, KillsAnEngine)
-    try:
-        history = trainer.fit()
-        versions = [h.weight_version for h in asyncio.run(trainer.client.health())]
-    finally:
-        trainer.shutdown()
+    history, versions = run_killing_an_engine(overrides, tmp_path, tiny_model_path)
     assert [m["engine/restarts"] for m in history] == [0.0, 1.0, 1.0]
     assert all(m["policy/grad_norm"] > 0 and m["episode/env_failures"] == 0 for m in history)
     assert [m["policy/rollout_logprob_gap"] < 1e-4 for m in history] == [True] * 3, history
@@ -623,19 +629,17 @@ def test_skipped_optimizer_steps_in_a_row_end_the_run_past_the_limit():
 def test_a_run_survives_a_dead_engine(sync, ray_cluster, tiny_model_path, tmp_path):
     """An engine killed between steps is restarted with the current weights when the next step's
     requests find it dead (from the object store's copy; adapters: the latest adapter); they are
-    issued again and the step trains as usual. A large learning rate
-    makes the policy's step-1 weights far from the checkpoint's: the restarted engine samples with
-    the former, so its logprobs match the policy's."""
-    overrides = [*SMALL, *sync, "trainer.total_steps=2", "generator.max_engine_restarts=1"]
-    cfg = compose_config([*overrides, "trainer.policy.optimizer.lr=1e-3"])
-    trainer = build(cfg, tmp_path, tiny_model_path)
-    try:
-        first = trainer.train_step()
-        ray.kill(trainer.client.engines[0])
-        second = trainer.train_step()
-        versions = [h.weight_version for h in asyncio.run(trainer.client.health())]
-    finally:
-        trainer.shutdown()
+    issued again and the step trains as usual. A large learning rate makes the policy's step-1 weights
+    far from the checkpoint's: the restarted engine samples with the former, so its logprobs match the
+    policy's."""
+    overrides = [
+        *SMALL,
+        *sync,
+        "trainer.total_steps=2",
+        "generator.max_engine_restarts=1",
+        "trainer.policy.optimizer.lr=1e-3",
+    ]
+    (first, second), versions = run_killing_an_engine(overrides, tmp_path, tiny_model_path)
     assert (first["engine/restarts"], second["engine/restarts"]) == (0.0, 1.0)
     assert second["episode/env_failures"] == 0 and second["policy/grad_norm"] > 0
     assert versions == [2]  # restarted with step 1's weights, then step 2's sync reached it
