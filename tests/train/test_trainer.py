@@ -139,18 +139,19 @@ def test_grpo_learns_guess_number(ray_cluster, learning_model_path, tmp_path, le
 
 
 def test_lora_learns_guess_number_with_adapter_sync_and_the_disabled_adapter_as_reference(
-    ray_cluster, learning_model_path, tmp_path, learning_seed
+    ray_cluster, default_model_path, tmp_path, learning_seed
 ):
-    """The fast-learning task (`FAST`) with rank-8 adapters, the engine serving them as a vLLM LoRA
-    adapter, and a KL loss whose reference is the policy with its adapters disabled (no reference worker)."""
+    """The fast-learning task (`FAST`) on the default model with rank-8 adapters, the engine serving
+    them as a vLLM LoRA adapter, and a KL loss whose reference is the policy with its adapters disabled
+    (no reference worker)."""
     overrides = [
-        *learning(learning_model_path, learning_seed, fast=True),
+        *learning(default_model_path, learning_seed, fast=True),
         *LORA,
         "trainer.policy.optimizer.lr=5e-3",
         "generator.inference_engine.lora_sync=adapter",
         "trainer.algorithm.use_kl_loss=true",
     ]
-    trainer = build(compose_config(overrides), tmp_path / "run", learning_model_path)
+    trainer = build(compose_config(overrides), tmp_path / "run", default_model_path)
     try:
         assert trainer.ref is None and trainer.ref_from_policy
         merged_bytes = trainer.policy.run("sync_nbytes", False)[0]

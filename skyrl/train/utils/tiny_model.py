@@ -33,7 +33,12 @@ CORPUS = [
     *["Say the word higher lower correct number guess answer. Play. Go. Start. Again."] * 10,
     " ".join(str(i) for i in range(101)),
 ]
-TINY_MODEL_VERSION = "tiny-qwen2-v2"
+TINY_MODEL_VERSION = "tiny-qwen2-v4"
+# The default model's weight scale. With 0.02 LoRA cannot learn the default task (see
+# `create_tiny_model`: 0.39 -> 0.48 in 100 steps at lr 3e-3, rank 16); with 0.2 the default job settles
+# on a deterministic strategy near 0.5. With 0.1 both learn it (measured: full fine-tuning 0.36 -> 1.0,
+# rank-16 LoRA at lr 3e-3 0.35 -> 0.86).
+DEFAULT_INITIALIZER_RANGE = 0.1
 
 
 def create_tiny_model(
@@ -101,12 +106,13 @@ def create_tiny_model(
 
 
 def default_tiny_model_path() -> Path:
-    """The default model's directory under `$SKYRL_CACHE` (default `~/.cache/skyrl`), created once."""
+    """The default model (weights at `DEFAULT_INITIALIZER_RANGE`): its directory under `$SKYRL_CACHE`
+    (default `~/.cache/skyrl`), created once."""
     root = Path(os.environ.get("SKYRL_CACHE", Path.home() / ".cache" / "skyrl"))
     path = root / TINY_MODEL_VERSION
     if not (path / "config.json").exists():
         tmp = root / f"{TINY_MODEL_VERSION}.tmp{os.getpid()}"
-        create_tiny_model(tmp)
+        create_tiny_model(tmp, initializer_range=DEFAULT_INITIALIZER_RANGE)
         try:
             tmp.rename(path)  # atomic: concurrent creators race, one wins
         except OSError:
