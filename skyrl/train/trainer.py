@@ -203,7 +203,7 @@ class Trainer:
 
     def _start_workers(self) -> None:
         """The policy, ref and critic `ActorGroup`s over the `trainer` section, `placement.dp_size(role)`
-        ranks each, on the placement groups of `_build_placement_groups`."""
+        ranks each, on the placement groups of `_build_placement_groups`; the groups start at once."""
         t = self.cfg.trainer
         # logprobs of the distribution the engines sample from (greedy sampling: the plain softmax)
         sampled_from = {
@@ -217,12 +217,27 @@ class Trainer:
             role = worker_cls.role
             pg, size = self._worker_pgs[role], t.placement.dp_size(role)
             return ActorGroup(
-                worker_cls, t, path, size, pg, resource_fraction=self._worker_fraction, **sampled_from
+                worker_cls,
+                t,
+                path,
+                size,
+                pg,
+                resource_fraction=self._worker_fraction,
+                wait=False,
+                **sampled_from,
             )
 
         self.policy = group(PolicyWorker, None)
         self.ref = group(RefWorker, t.ref.model.path) if self.use_ref else None
         self.critic = group(CriticWorker, t.critic.model.path) if self.use_critic else None
+        groups = [g for g in (self.policy, self.ref, self.critic) if g is not None]
+        try:
+            for g in groups:
+                g.wait_until_ready()
+        except BaseException:
+            for g in groups:
+                g.kill()
+            raise
 
     def _start_engines(self) -> InferenceEngineClient:
         """The inference engines; colocated, engine i takes a fraction of the policy's bundle i and sleeps

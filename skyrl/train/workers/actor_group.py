@@ -133,7 +133,9 @@ class ActorGroup:
     `trainer` section). `resource_fraction` of each bundle's CPU/GPU goes to each actor
     (1.0: the bundle is theirs; 0.5: another group can be colocated on the same bundles).
     Every blocking call waits at most `cfg.rpc_timeout_s`; past it the error names the role, the
-    method and the ranks that did not answer.
+    method and the ranks that did not answer. With `wait=False` the actors start (process group,
+    model) while the caller goes on, and `wait_until_ready` waits for them: several groups start at
+    once.
     """
 
     def __init__(
@@ -145,6 +147,7 @@ class ActorGroup:
         pg: PlacementGroup,
         bundle_offset: int = 0,
         resource_fraction: float = 1.0,
+        wait: bool = True,
         **worker_kwargs: Any,
     ):
         self.num_workers, self.timeout_s, self.role = num_workers, cfg.rpc_timeout_s, worker_cls.role
@@ -160,11 +163,23 @@ class ActorGroup:
             ).remote(cfg, rank, num_workers, model_path, **worker_kwargs)
             for rank in range(num_workers)
         ]
+        # rank 0's address reaches every rank's init_process_group as object refs: nothing blocks here
+        address = self.actors[0].__ray_call__.options(num_returns=2).remote(lambda _: node_free_port())
+        self._starting = [
+            ("init_process_group", [actor.init_process_group.remote(*address) for actor in self.actors]),
+            ("init_model", [actor.init_model.remote() for actor in self.actors]),
+        ]
+        if wait:
+            self.wait_until_ready()
+
+    def wait_until_ready(self) -> None:
+        """Wait until every rank has joined the process group and loaded its model; a group that failed
+        to start is killed (it must not hold its bundles) and the error raised."""
         try:
-            self.run("init_process_group", *self.rank0_free_port())
-            self.run("init_model")
+            for method, refs in self._starting:
+                self._get(refs, method)
         except BaseException:
-            self.kill()  # a group that failed to start must not hold its bundles
+            self.kill()
             raise
 
     def rank0_free_port(self) -> tuple[str, int]:
