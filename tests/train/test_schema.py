@@ -435,7 +435,9 @@ def build(monkeypatch, tmp_path, tiny_model_path, prompts):
     def make(cfg: SkyRLConfig) -> Built:
         workers, sizes, bundle_cpus, engine, tracker = {}, {}, [], {}, []
 
-        def actor_group(worker_cls, cfg, model_path, num_workers, pg, resource_fraction=1.0, **kwargs):
+        def actor_group(
+            worker_cls, cfg, model_path, num_workers, pg, resource_fraction=1.0, wait=True, **kwargs
+        ):
             workers[worker_cls.role] = worker_cls(cfg, 0, num_workers, model_path, **kwargs)
             sizes[worker_cls.role] = num_workers
 
