@@ -1,0 +1,259 @@
+"""A whole RL step through skyrl against the same work in a bare in-process loop, and skyrl's start-up.
+
+The workload is issue 28's side-by-side with TRL's GRPOTrainer: `examples/custom_env`'s
+RepeatWordEnv (one turn), the default tiny model, 16 prompts x 8 samples, at most 4 generated
+tokens, 8 optimizer steps per step (mini-batches of 2 prompts, one epoch), GRPO, fp32, the default
+optimizer and cosine schedule.
+
+- skyrl: `python -m skyrl.train` in a fresh process (`--engine hf` or `vllm`). Per step: the
+  wall-clock time between its metrics records and the phases it times (generate, batch, forward,
+  advantages, train, sync; `other` is the rest: the driver's loop, logging). Start-up: from the
+  process's start to the start of its first step; the first step's excess over the median step
+  (engine warm-up) is printed too.
+- bare: one fresh process with no Ray, no FSDP and no engine, with as many torch threads as the
+  trainer's workers get (`trainer.placement.cpus_per_worker`). Per step: HF `generate` (sampling,
+  temperature 1) on the model being trained, the env's rewards, group-normalised advantages, a
+  no-grad forward for the old logprobs, then 8 mini-batches of the PPO-clip loss (token mean) with
+  gradient clipping and AdamW. Its weights need no sync.
+
+Both run alone, one after the other, `--steps` steps each; the first `--warmup` steps are left out
+of the medians. Prints each phase's median seconds and share of the step, the start-up figures, and
+last `ratio skyrl/bare` (median seconds per step; the goal is at most 1.2).
+
+Usage: python scripts/bench_step.py [--engine hf|vllm] [--steps 30] [--warmup 3] [--model PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "custom_env"
+PROMPTS, SAMPLES, MAX_TOKENS, MINI_BATCH_PROMPTS = 16, 8, 4, 2
+LR, MIN_LR_RATIO, MAX_GRAD_NORM, CLIP = 2e-3, 0.1, 1.0, 0.2
+THREADS = 2  # trainer.placement.cpus_per_worker's default: the policy worker's torch threads
+OVERRIDES = [
+    "environment.env_class=my_env:RepeatWordEnv",
+    f"data.train_path={EXAMPLE / 'prompts.jsonl'}",
+    "generator.max_turns=1",
+    f"generator.max_generate_length={MAX_TOKENS}",
+    f"generator.n_samples_per_prompt={SAMPLES}",
+    f"trainer.train_batch_size={PROMPTS}",
+    f"trainer.policy_mini_batch_size={MINI_BATCH_PROMPTS}",
+    "trainer.update_epochs_per_batch=1",
+    # micro-batches as the bare loop's: a whole mini-batch per backward, the whole batch per forward
+    f"trainer.micro_train_batch_size_per_gpu={MINI_BATCH_PROMPTS * SAMPLES}",
+    f"trainer.micro_forward_batch_size_per_gpu={PROMPTS * SAMPLES}",
+    f"trainer.policy.optimizer.lr={LR}",
+    "trainer.policy.bf16=false",
+    "trainer.ckpt_interval=0",
+    "trainer.logger=[jsonl]",
+]
+SKYRL_PHASES = ["generate", "batch", "forward", "advantages", "train", "sync"]
+
+
+def run_skyrl(engine: str, steps: int, model: str) -> tuple[float, list[dict[str, float]]]:
+    """Seconds from process start to its first step's start, and per step the phases' seconds plus
+    `step` (wall-clock, from one metrics record's arrival to the next's)."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        command = [
+            sys.executable,
+            "-m",
+            "skyrl.train",
+            *OVERRIDES,
+            f"trainer.total_steps={steps}",
+            f"trainer.policy.model.path={model}",
+            f"generator.inference_engine.backend={engine}",
+            f"hydra.run.dir={run_dir}",
+        ]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLE), os.environ.get("PYTHONPATH", "")])}
+        arrivals: list[float] = []
+        start = time.time()
+        process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        errors: list[bytes] = []
+        reader = threading.Thread(target=lambda: errors.append(process.stderr.read()), daemon=True)
+        reader.start()
+        metrics = Path(run_dir) / "metrics.jsonl"
+        while process.poll() is None:  # when each record arrives: the end of its step
+            lines = metrics.read_text().count("\n") if metrics.exists() else 0
+            arrivals += [time.time()] * (lines - len(arrivals))
+            time.sleep(0.005)
+        reader.join()
+        if process.returncode:
+            sys.exit(f"skyrl run failed ({process.returncode}):\n{errors[0].decode()[-3000:]}")
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    per_step = []
+    for i, record in enumerate(records):
+        phases = {p: record[f"timing/{p}_s"] for p in SKYRL_PHASES}
+        wall = arrivals[i] - arrivals[i - 1] if i else sum(phases.values())
+        per_step.append({**phases, "other": wall - sum(phases.values()), "step": wall})
+    return arrivals[0] - per_step[0]["step"] - start, per_step
+
+
+def run_bare(steps: int, model: str) -> tuple[float, list[dict[str, float]]]:
+    """The bare loop in a fresh process: seconds from its start to its first step, per-step phases."""
+    start = time.time()
+    out = subprocess.run(
+        [sys.executable, __file__, "--bare-worker", "--steps", str(steps), "--model", model],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return result["first_step_at"] - start, result["steps"]
+
+
+def bare_worker(steps: int, model_path: str) -> None:
+    """The bare loop (see the module docstring); prints a JSON line: when its first step started and
+    its per-step phase seconds."""
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sys.path.insert(0, str(EXAMPLE))
+    from my_env import RepeatWordEnv
+
+    torch.set_num_threads(THREADS)
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    total = steps * PROMPTS // MINI_BATCH_PROMPTS
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, total, eta_min=LR * MIN_LR_RATIO)
+    rows = [json.loads(line) for line in (EXAMPLE / "prompts.jsonl").read_text().splitlines()]
+    for row in rows:
+        messages = [{"role": "user", "content": row["prompt"]}]
+        row["ids"] = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if not isinstance(row["ids"], list):  # transformers 5 returns a BatchEncoding
+            row["ids"] = row["ids"]["input_ids"]
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    order = random.Random(0)
+    first_step_at, timings = 0.0, []
+    for step in range(steps):
+        if step == 0:
+            first_step_at = time.time()
+        phase: dict[str, float] = {}
+        clock = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal clock
+            now = time.perf_counter()
+            phase[name] = now - clock
+            clock = now
+
+        batch = order.sample(rows, PROMPTS)
+        width = max(len(r["ids"]) for r in batch)
+        prompt_ids = torch.tensor([[pad] * (width - len(r["ids"])) + r["ids"] for r in batch])
+        model.eval()
+        with torch.no_grad():
+            generated = model.generate(
+                input_ids=prompt_ids,
+                attention_mask=(prompt_ids != pad).long(),
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=MAX_TOKENS,
+                num_return_sequences=SAMPLES,
+                pad_token_id=pad,
+                eos_token_id=eos,
+            )[:, width:]
+        lap("generate")
+        sequences, response_mask, rewards = [], [], []
+        for i, tokens in enumerate(generated.tolist()):
+            response = tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+            row = batch[i // SAMPLES]
+            env = RepeatWordEnv({}, {"word": row["word"]})
+            rewards.append(env.step(tokenizer.decode(response, skip_special_tokens=True)).reward)
+            sequences.append(row["ids"] + response)
+            response_mask.append([0] * (len(row["ids"]) - 1) + [1] * len(response))
+        length = max(map(len, sequences))
+        ids = torch.tensor([s + [pad] * (length - len(s)) for s in sequences])
+        attention = torch.tensor([[1] * len(s) + [0] * (length - len(s)) for s in sequences])
+        loss_mask = torch.tensor([m + [0] * (length - 1 - len(m)) for m in response_mask], dtype=torch.float)
+        grouped = torch.tensor(rewards).view(PROMPTS, SAMPLES)
+        advantages = (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)
+        advantages = advantages.view(-1, 1)
+        lap("batch")
+
+        def logprobs(rows: slice) -> torch.Tensor:
+            logits = model(input_ids=ids[rows], attention_mask=attention[rows]).logits[:, :-1]
+            return torch.log_softmax(logits.float(), -1).gather(-1, ids[rows, 1:, None])[..., 0]
+
+        with torch.no_grad():
+            old = logprobs(slice(None))
+        lap("forward")
+        model.train()
+        size = MINI_BATCH_PROMPTS * SAMPLES
+        for begin in range(0, len(ids), size):
+            part = slice(begin, begin + size)
+            ratio = (logprobs(part) - old[part]).exp()
+            surrogate = torch.maximum(
+                -advantages[part] * ratio, -advantages[part] * ratio.clamp(1 - CLIP, 1 + CLIP)
+            )
+            mask = loss_mask[part]
+            loss = (surrogate * mask).sum() / mask.sum().clamp(min=1)
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+            optimizer.step()
+            schedule.step()
+        lap("train")
+        phase["step"] = sum(phase.values())
+        timings.append(phase)
+    print(json.dumps({"first_step_at": first_step_at, "steps": timings}))
+
+
+def medians(per_step: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.median(step[key] for step in per_step) for key in per_step[0]}
+
+
+def report(name: str, startup: float, per_step: list[dict[str, float]], warmup: int) -> float:
+    """Prints a side's start-up and its phases' medians and shares; returns its median step."""
+    steady = medians(per_step[warmup:])
+    shares = ", ".join(f"{k} {v:.3f} s ({v / steady['step']:.0%})" for k, v in steady.items() if k != "step")
+    print(f"{name}: start-up {startup:.1f} s to the first step; first step {per_step[0]['step']:.2f} s")
+    print(f"{name}: median step {steady['step']:.3f} s = {shares}")
+    return steady["step"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--engine", choices=["hf", "vllm"], default="hf")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--model", help="a model directory (default: the default tiny model)")
+    parser.add_argument("--bare-worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.model is None:
+        from skyrl.train.utils.tiny_model import default_tiny_model_path
+
+        args.model = str(default_tiny_model_path())
+    if args.bare_worker:
+        bare_worker(args.steps, args.model)
+        return
+    bare_startup, bare_steps = run_bare(args.steps, args.model)
+    skyrl_startup, skyrl_steps = run_skyrl(args.engine, args.steps, args.model)
+    bare = report("bare", bare_startup, bare_steps, args.warmup)
+    ours = report(f"skyrl ({args.engine} engine)", skyrl_startup, skyrl_steps, args.warmup)
+    excess = skyrl_steps[0]["step"] - ours
+    print(
+        f"skyrl ({args.engine} engine): start-up + first step's excess over the median {skyrl_startup + excess:.1f} s"
+    )
+    print(f"ratio skyrl/bare {ours / bare:.3f}")
+
+
+if __name__ == "__main__":
+    main()
