@@ -36,6 +36,8 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "custom_env"
 PROMPTS, SAMPLES, MAX_TOKENS, MINI_BATCH_PROMPTS = 16, 8, 4, 2
@@ -112,105 +114,111 @@ def run_bare(steps: int, model: str) -> tuple[float, list[dict[str, float]]]:
     return result["first_step_at"] - start, result["steps"]
 
 
-def bare_worker(steps: int, model_path: str) -> None:
-    """The bare loop (see the module docstring); prints a JSON line: when its first step started and
-    its per-step phase seconds."""
-    import random
+class BareLoop:
+    """The bare loop (see the module docstring): one model, generating and training in this process."""
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    def __init__(self, model_path: str, steps: int):
+        import random
 
-    sys.path.insert(0, str(EXAMPLE))
-    from my_env import RepeatWordEnv
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.set_num_threads(THREADS)
-    torch.manual_seed(0)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    total = steps * PROMPTS // MINI_BATCH_PROMPTS
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, total, eta_min=LR * MIN_LR_RATIO)
-    rows = [json.loads(line) for line in (EXAMPLE / "prompts.jsonl").read_text().splitlines()]
-    for row in rows:
-        messages = [{"role": "user", "content": row["prompt"]}]
-        row["ids"] = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if not isinstance(row["ids"], list):  # transformers 5 returns a BatchEncoding
-            row["ids"] = row["ids"]["input_ids"]
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    order = random.Random(0)
-    first_step_at, timings = 0.0, []
-    for step in range(steps):
-        if step == 0:
-            first_step_at = time.time()
-        phase: dict[str, float] = {}
-        clock = time.perf_counter()
+        sys.path.insert(0, str(EXAMPLE))
+        from my_env import RepeatWordEnv
 
-        def lap(name: str) -> None:
-            nonlocal clock
-            now = time.perf_counter()
-            phase[name] = now - clock
-            clock = now
+        torch.set_num_threads(THREADS)
+        torch.manual_seed(0)
+        self.env_class = RepeatWordEnv
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=0.0)
+        self.schedule = torch.optim.lr_scheduler.CosineAnnealingLR(
+            self.optimizer, steps * PROMPTS // MINI_BATCH_PROMPTS, eta_min=LR * MIN_LR_RATIO
+        )
+        self.rows = [json.loads(line) for line in (EXAMPLE / "prompts.jsonl").read_text().splitlines()]
+        for row in self.rows:
+            messages = [{"role": "user", "content": row["prompt"]}]
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            row["ids"] = ids if isinstance(ids, list) else ids["input_ids"]  # transformers 5: BatchEncoding
+        self.pad, self.eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        self.order = random.Random(0)
 
-        batch = order.sample(rows, PROMPTS)
-        width = max(len(r["ids"]) for r in batch)
-        prompt_ids = torch.tensor([[pad] * (width - len(r["ids"])) + r["ids"] for r in batch])
-        model.eval()
+    def step(self) -> dict[str, float]:
+        """One step; the seconds of each phase and of the whole step."""
+        laps = [("start", time.perf_counter())]
+        batch = self.order.sample(self.rows, PROMPTS)
+        generated = self.generate(batch)
+        laps.append(("generate", time.perf_counter()))
+        ids, attention, loss_mask, advantages = self.make_batch(batch, generated)
+        laps.append(("batch", time.perf_counter()))
         with torch.no_grad():
-            generated = model.generate(
-                input_ids=prompt_ids,
-                attention_mask=(prompt_ids != pad).long(),
+            old = self.logprobs(ids, attention)
+        laps.append(("forward", time.perf_counter()))
+        self.model.train()
+        size = MINI_BATCH_PROMPTS * SAMPLES
+        for begin in range(0, len(ids), size):
+            part = slice(begin, begin + size)
+            ratio = (self.logprobs(ids[part], attention[part]) - old[part]).exp()
+            surrogate = torch.maximum(
+                -advantages[part] * ratio, -advantages[part] * ratio.clamp(1 - CLIP, 1 + CLIP)
+            )
+            mask = loss_mask[part]
+            loss = (surrogate * mask).sum() / mask.sum().clamp(min=1)
+            self.optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_GRAD_NORM)
+            self.optimizer.step()
+            self.schedule.step()
+        laps.append(("train", time.perf_counter()))
+        phases = {name: end - laps[i][1] for i, (name, end) in enumerate(laps[1:])}
+        return {**phases, "step": laps[-1][1] - laps[0][1]}
+
+    def generate(self, batch: list[dict]) -> list[list[int]]:
+        """`SAMPLES` sampled responses per prompt of `batch` (up to and including EOS)."""
+        width = max(len(r["ids"]) for r in batch)
+        prompts = torch.tensor([[self.pad] * (width - len(r["ids"])) + r["ids"] for r in batch])
+        self.model.eval()
+        with torch.no_grad():
+            generated = self.model.generate(
+                input_ids=prompts,
+                attention_mask=(prompts != self.pad).long(),
                 do_sample=True,
                 temperature=1.0,
                 top_p=1.0,
                 top_k=0,
                 max_new_tokens=MAX_TOKENS,
                 num_return_sequences=SAMPLES,
-                pad_token_id=pad,
-                eos_token_id=eos,
+                pad_token_id=self.pad,
+                eos_token_id=self.eos,
             )[:, width:]
-        lap("generate")
-        sequences, response_mask, rewards = [], [], []
-        for i, tokens in enumerate(generated.tolist()):
-            response = tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+        return [t[: t.index(self.eos) + 1] if self.eos in t else t for t in generated.tolist()]
+
+    def make_batch(self, batch: list[dict], responses: list[list[int]]) -> tuple:
+        """Right-padded sequences, attention mask, loss mask (over next-token positions), advantages."""
+        sequences, masks, rewards = [], [], []
+        for i, response in enumerate(responses):
             row = batch[i // SAMPLES]
-            env = RepeatWordEnv({}, {"word": row["word"]})
-            rewards.append(env.step(tokenizer.decode(response, skip_special_tokens=True)).reward)
+            env = self.env_class({}, {"word": row["word"]})
+            rewards.append(env.step(self.tokenizer.decode(response, skip_special_tokens=True)).reward)
             sequences.append(row["ids"] + response)
-            response_mask.append([0] * (len(row["ids"]) - 1) + [1] * len(response))
+            masks.append([0] * (len(row["ids"]) - 1) + [1] * len(response))
         length = max(map(len, sequences))
-        ids = torch.tensor([s + [pad] * (length - len(s)) for s in sequences])
+        ids = torch.tensor([s + [self.pad] * (length - len(s)) for s in sequences])
         attention = torch.tensor([[1] * len(s) + [0] * (length - len(s)) for s in sequences])
-        loss_mask = torch.tensor([m + [0] * (length - 1 - len(m)) for m in response_mask], dtype=torch.float)
+        loss_mask = torch.tensor([m + [0] * (length - 1 - len(m)) for m in masks], dtype=torch.float)
         grouped = torch.tensor(rewards).view(PROMPTS, SAMPLES)
         advantages = (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)
-        advantages = advantages.view(-1, 1)
-        lap("batch")
+        return ids, attention, loss_mask, advantages.view(-1, 1)
 
-        def logprobs(rows: slice) -> torch.Tensor:
-            logits = model(input_ids=ids[rows], attention_mask=attention[rows]).logits[:, :-1]
-            return torch.log_softmax(logits.float(), -1).gather(-1, ids[rows, 1:, None])[..., 0]
+    def logprobs(self, ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+        return torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
 
-        with torch.no_grad():
-            old = logprobs(slice(None))
-        lap("forward")
-        model.train()
-        size = MINI_BATCH_PROMPTS * SAMPLES
-        for begin in range(0, len(ids), size):
-            part = slice(begin, begin + size)
-            ratio = (logprobs(part) - old[part]).exp()
-            surrogate = torch.maximum(
-                -advantages[part] * ratio, -advantages[part] * ratio.clamp(1 - CLIP, 1 + CLIP)
-            )
-            mask = loss_mask[part]
-            loss = (surrogate * mask).sum() / mask.sum().clamp(min=1)
-            optimizer.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
-            optimizer.step()
-            schedule.step()
-        lap("train")
-        phase["step"] = sum(phase.values())
-        timings.append(phase)
+
+def bare_worker(steps: int, model_path: str) -> None:
+    """Runs the bare loop; prints a JSON line: when its first step started and its per-step phases."""
+    loop = BareLoop(model_path, steps)
+    first_step_at = time.time()
+    timings = [loop.step() for _ in range(steps)]
     print(json.dumps({"first_step_at": first_step_at, "steps": timings}))
 
 
