@@ -267,15 +267,20 @@ class ActorGroup:
             self.num_workers, data, mini_batch_boundaries, balance, delay_split, cost_weight
         )
 
-    def _run_staged(self, method: str, mini: StagedMiniBatch, **kwargs: Any) -> list[Any]:
+    def _run_staged(self, method: str, staged: Sequence[StagedMiniBatch], **kwargs: Any) -> list[Any]:
+        """`method` once on every rank over all of `staged` (each rank's refs of every mini-batch in
+        order, `fields` per mini-batch): one round trip per phase, not per mini-batch."""
+        first = staged[0]
         extra = (
-            {"dp_size": self.num_workers, "balance": mini.balance, "cost_weight": mini.cost_weight}
-            if mini.delayed
+            {"dp_size": self.num_workers, "balance": first.balance, "cost_weight": first.cost_weight}
+            if first.delayed
             else {}
         ) | kwargs
         return self._get(
             [
-                getattr(actor, method).remote(*mini.refs(rank), **extra)
+                getattr(actor, method).remote(
+                    *[ref for mini in staged for ref in mini.refs(rank)], fields=len(first.parts), **extra
+                )
                 for rank, actor in enumerate(self.actors)
             ],
             method,
@@ -284,12 +289,12 @@ class ActorGroup:
     def forward(self, staged: Sequence[StagedMiniBatch], **kwargs: Any) -> TrainingInputBatch:
         """Per-row forward outputs (`logprobs` or `values`) of the staged rows, in order, pads removed;
         `kwargs` go to every rank's `forward` (e.g. `adapters=False`)."""
-        return MeshDispatch.gather(staged, [self._run_staged("forward", mini, **kwargs) for mini in staged])
+        return MeshDispatch.gather(staged, self._run_staged("forward", staged, **kwargs))
 
     def train(self, staged: Sequence[StagedMiniBatch], **kwargs: Any) -> list[dict[str, float]]:
-        """One optimizer step per staged mini-batch; the metrics of each step (equal on every rank);
-        `kwargs` go to every rank's `train_mini_batch` (e.g. `keep_gradients=True`)."""
-        return [self._run_staged("train_mini_batch", mini, **kwargs)[0] for mini in staged]
+        """One optimizer step per staged mini-batch, in one call per rank; the metrics of each step (equal
+        on every rank); `kwargs` go to every rank's `train_mini_batch` (e.g. `keep_gradients=True`)."""
+        return self._run_staged("train_mini_batches", staged, **kwargs)[0]
 
     def save_checkpoint(self, path: str | Path) -> None:
         self.run("save_checkpoint", str(path))

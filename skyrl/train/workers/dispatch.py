@@ -120,12 +120,18 @@ class MeshDispatch:
 
     @staticmethod
     def gather(
-        staged: Sequence[StagedMiniBatch], outputs: Sequence[Sequence[TrainingInputBatch]]
+        staged: Sequence[StagedMiniBatch], outputs: Sequence[TrainingInputBatch]
     ) -> TrainingInputBatch:
-        """Per-row outputs (`outputs[mini_batch][dp_rank]`) in the original row order, pad rows removed."""
+        """Per-row outputs in the original row order, pad rows removed; `outputs[dp_rank]` holds that
+        rank's rows of every mini-batch of `staged`, mini-batch after mini-batch."""
+        offsets = [0] * len(outputs)
         parts = []
-        for mini, per_rank in zip(staged, outputs, strict=True):
-            joined = TrainingInputBatch.cat(list(per_rank))
+        for mini in staged:
+            per_rank = []
+            for rank, rows in enumerate(mini.rows):
+                per_rank.append(outputs[rank].slice(offsets[rank], offsets[rank] + len(rows)))
+                offsets[rank] += len(rows)
+            joined = TrainingInputBatch.cat(per_rank)
             row_of = [row for rank_rows in mini.rows for row in rank_rows]
             position = {row: i for i, row in enumerate(row_of)}
             parts.append(joined.select_rows([position[row] for row in range(mini.end - mini.start)]))

@@ -311,19 +311,17 @@ class FSDPWorker:
     def forward(
         self,
         *parts: TrainingInputBatch,
+        fields: int | None = None,
         dp_size: int | None = None,
         balance: bool = False,
         cost_weight: float | None = None,
         adapters: bool = True,
     ) -> TrainingInputBatch:
-        """Per-row outputs (`logprobs`, or `values` for the critic) of this rank's rows, in their order.
-
-        `parts` hold different fields of the same rows (staged separately, see
-        `dispatch`). With `dp_size` set, they cover a whole mini-batch and this rank
-        takes its part (the delayed split); otherwise they are already this rank's part.
+        """Per-row outputs (`logprobs`, or `values` for the critic) of this rank's rows of every mini-batch
+        in `parts` (see `rank_rows`), in their order; micro-batches may span mini-batches.
         `adapters=False` computes the base model's outputs (LoRA: the reference policy).
         """
-        data = self._own_part(TrainingInputBatch.merge(parts), dp_size, balance, cost_weight)
+        data = TrainingInputBatch.cat(self.rank_rows(parts, fields, dp_size, balance, cost_weight))
         self.model.eval()
         outputs: dict[str, torch.Tensor] = {}
         with contextlib.nullcontext() if adapters or self.lora is None else adapters_disabled(self.model):
@@ -333,6 +331,24 @@ class FSDPWorker:
                     outputs[key][indices] = value.cpu()
         self._release_cached_memory()
         return TrainingInputBatch(outputs)
+
+    def rank_rows(
+        self,
+        parts: Sequence[TrainingInputBatch],
+        fields: int | None = None,
+        dp_size: int | None = None,
+        balance: bool = False,
+        cost_weight: float | None = None,
+    ) -> list[TrainingInputBatch]:
+        """This rank's rows of each mini-batch in `parts`, which hold `fields` parts per mini-batch (all of
+        them when None): different fields of the same rows, staged separately (see `dispatch`). With
+        `dp_size` set each mini-batch is whole and this rank takes its part (the delayed split);
+        otherwise the parts are already this rank's."""
+        fields = fields or len(parts)
+        return [
+            self._own_part(TrainingInputBatch.merge(parts[i : i + fields]), dp_size, balance, cost_weight)
+            for i in range(0, len(parts), fields)
+        ]
 
     def _own_part(
         self, data: TrainingInputBatch, dp_size: int | None, balance: bool, cost_weight: float | None = None
@@ -624,8 +640,15 @@ class TrainableWorker(FSDPWorker, abc.ABC):
     def init_model(self) -> None:
         super().init_model()
         opt = self.section.optimizer
+        # foreach: one dispatch per op for all (DTensor) parameters, not one per parameter; the same
+        # arithmetic as the per-parameter loop torch picks on CPU (on CUDA it picks foreach itself)
         self.optimizer = torch.optim.AdamW(
-            self._trainable(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
+            self._trainable(),
+            lr=opt.lr,
+            betas=opt.betas,
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
+            foreach=True,
         )
         run_steps = self.cfg.optimizer_steps(getattr(self.cfg, f"{self.role}_mini_batch_size"))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(opt, run_steps))
@@ -648,7 +671,7 @@ class TrainableWorker(FSDPWorker, abc.ABC):
     ) -> dict[str, float]:
         """One optimizer step on this rank's share of a mini-batch; returns mini-batch metrics.
 
-        `parts` hold different fields of the same rows (see `forward`). The loss is
+        `parts` hold different fields of the same rows (see `rank_rows`). The loss is
         summed over micro-batches with weights from mini-batch-wide counts
         (all-reduced), and gradients are summed over ranks. Metrics cover every
         micro-batch of every rank: `loss` is the mini-batch loss, means are weighted
@@ -695,6 +718,20 @@ class TrainableWorker(FSDPWorker, abc.ABC):
                 self.optimizer.zero_grad(set_to_none=True)
         self._release_cached_memory()
         return {**metrics, "lr": self.scheduler.get_last_lr()[0], "skipped_steps": float(skip)}
+
+    def train_mini_batches(
+        self,
+        *parts: TrainingInputBatch,
+        fields: int | None = None,
+        dp_size: int | None = None,
+        balance: bool = False,
+        cost_weight: float | None = None,
+        keep_gradients: bool = False,
+    ) -> list[dict[str, float]]:
+        """`train_mini_batch` on this rank's rows of each mini-batch in `parts` (see `rank_rows`), in order:
+        one call for a whole epoch. The metrics of each optimizer step."""
+        minis = self.rank_rows(parts, fields, dp_size, balance, cost_weight)
+        return [self.train_mini_batch(mini, keep_gradients=keep_gradients) for mini in minis]
 
     def gradient_vector(self) -> torch.Tensor | None:
         """The full flattened gradient of the trained parameters (LoRA: the adapters) of the last

@@ -24,16 +24,17 @@ def numbered_batch(n: int) -> TrainingInputBatch:
 
 
 def rank_outputs(staged, dp_size, balance, delay_split):
-    """What a worker's forward would return: one output per row of its part (here: the row's value)."""
+    """What each rank's forward would return: one output per row of its parts of every mini-batch, in
+    order (here: the row's value times 10)."""
     outputs = []
-    for mini in staged:
-        per_rank = []
-        for rank in range(dp_size):
+    for rank in range(dp_size):
+        per_mini = []
+        for mini in staged:
             part = ray.get(mini.refs(rank)[0])
             if delay_split:
                 part = part.select_rows(partition_rows(part, dp_size, balance)[rank])
-            per_rank.append(TrainingInputBatch({"out": part["row"] * 10}))
-        outputs.append(per_rank)
+            per_mini.append(TrainingInputBatch({"out": part["row"] * 10}))
+        outputs.append(TrainingInputBatch.cat(per_mini))
     return outputs
 
 
