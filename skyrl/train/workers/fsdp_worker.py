@@ -92,6 +92,12 @@ class TokenModel(torch.nn.Module):
         return head(hidden.flatten(0, 1).index_select(0, layout.index))
 
 
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: gathered from its shards (a DTensor), or a copy of an unsharded one (never a view
+    of live weights)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach().clone()
+
+
 def process_group_backend(device_type: str) -> str:
     """The workers' process-group backend: gloo on CPU; on GPU NCCL for CUDA tensors and gloo for CPU
     ones, which `cpu_offload` leaves in collectives (the grad-norm reduction, `full_tensor` of weights)."""
@@ -215,9 +221,13 @@ class FSDPWorker:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if on_gpu and self.section.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
-        for layer in model.base_model.layers:
-            fully_shard(layer, **kwargs)
-        fully_shard(root, **kwargs)
+        # one rank on CPU has nothing to shard, and FSDP's mixed precision and offload are GPU-only: FSDP
+        # would only add its hooks and copies (about a third of a tiny model's optimizer step)
+        self.sharded = self.world_size > 1 or on_gpu
+        if self.sharded:
+            for layer in model.base_model.layers:
+                fully_shard(layer, **kwargs)
+            fully_shard(root, **kwargs)
         for module in root.modules():
             if isinstance(module, FSDPModule):
                 # sum, not average, across ranks (gloo has no PREMUL_SUM; the loss carries the scale)
@@ -366,6 +376,8 @@ class FSDPWorker:
         state = get_model_state_dict(self.model, options=options)
         if self.rank != 0:
             return None
+        if not self.sharded:  # the live parameters themselves: copies, as FSDP's gather makes
+            state = {name: t.clone() for name, t in state.items()}
         return self._engine_group(state, dtype)
 
     def adapter_state_dict(self, scaled: bool = True) -> dict[str, torch.Tensor] | None:
@@ -389,12 +401,7 @@ class FSDPWorker:
     def _gathered(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """Whole copies of the named parameters, on CPU (collective: every rank, the same names)."""
         params = dict(self.model.named_parameters())
-        return {
-            name: (params[name].full_tensor() if isinstance(params[name], DTensor) else params[name])
-            .detach()
-            .cpu()
-            for name in names
-        }
+        return {name: _whole(params[name]).detach().cpu() for name in names}
 
     def _trainable(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -431,7 +438,7 @@ class FSDPWorker:
         Collective: every rank iterates; the tensors are complete on every rank.
         """
         for params in self._param_groups():
-            full = {name: p.full_tensor() if isinstance(p, DTensor) else p for name, p in params.items()}
+            full = {name: _whole(p) for name, p in params.items()}
             yield self._engine_group(full, dtype)
 
     # ---- broadcast weight sync ----
@@ -694,7 +701,8 @@ class TrainableWorker(FSDPWorker, abc.ABC):
         micro_batches = self._micro_batches(data, self.cfg.micro_train_batch_size_per_gpu)
         totals = MetricTotals(self.device)
         for i, (_, mb) in enumerate(micro_batches):
-            self.root.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            if self.sharded:
+                self.root.set_requires_gradient_sync(i == len(micro_batches) - 1)
             mb = mb.to(self.device)
             loss, metrics = self._loss(mb, mb["loss_scale"])
             loss.backward()
@@ -736,9 +744,7 @@ class TrainableWorker(FSDPWorker, abc.ABC):
     def gradient_vector(self) -> torch.Tensor | None:
         """The full flattened gradient of the trained parameters (LoRA: the adapters) of the last
         mini-batch trained with `keep_gradients` on rank 0 (collective; None elsewhere)."""
-        grads = [
-            p.grad.full_tensor() if p.grad is not None else torch.zeros(p.shape) for p in self._trainable()
-        ]
+        grads = [_whole(p.grad) if p.grad is not None else torch.zeros(p.shape) for p in self._trainable()]
         return torch.cat([g.flatten().cpu() for g in grads]) if self.rank == 0 else None
 
 
