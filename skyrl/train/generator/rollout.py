@@ -240,9 +240,12 @@ class RolloutManager:
         *args: Any,
     ) -> Any:
         """`env.<method>(*args)`, or with `env=None` and `method="make"` a new env (`make(*args)`), in a
-        thread of `pool` or in the process that hosts the env. Anything it raises, and not returning
+        thread of `pool` or in the process that hosts the env (a method a thread-hosted env inherits from
+        `BaseTextEnv` runs inline: it returns at once). Anything it raises, and not returning
         within `environment.timeout_s`, becomes an `EnvFailure`: a stuck thread is left behind; a stuck
         process is killed (failing the episodes of its other envs too) and later replaced."""
+        if isinstance(env, BaseTextEnv) and getattr(type(env), method) is getattr(BaseTextEnv, method):
+            return getattr(env, method)(*args)  # BaseTextEnv's own default returns at once: no thread hop
         if isinstance(pool, EnvProcessPool):
             name = "make" if env is None else getattr(env.cls, method).__qualname__
             future = pool.make(*args) if env is None else pool.call(env, method, *args)
