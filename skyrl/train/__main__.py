@@ -15,6 +15,7 @@ import shutil
 import sys
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -76,7 +77,7 @@ def summary(cfg: SkyRLConfig, run_dir: Path, history: list[dict[str, float]]) ->
 
 
 def load_inputs(cfg: SkyRLConfig) -> tuple[str, Datasets]:
-    """The policy's model path and the (train, eval) datasets, read before a cluster starts: a wrong model
+    """The policy's model path and the (train, eval) datasets, read before the trainer starts: a wrong model
     path or a bad dataset row stops the run in seconds."""
     from transformers import AutoTokenizer
 
@@ -114,8 +115,11 @@ def main(dict_cfg: DictConfig) -> None:
     # an agent's HTTP client logs every request at INFO; the run's console keeps its own lines
     for name in HTTP_CLIENT_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
-    model_path, datasets = _or_report(cfg, run_dir, lambda: load_inputs(cfg))
-    start_ray(cfg)
+    # the inputs are read (imports of seconds, the datasets) while Ray starts its processes
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        inputs = pool.submit(load_inputs, cfg)
+        start_ray(cfg)
+        model_path, datasets = _or_report(cfg, run_dir, inputs.result)
     _or_report(cfg, run_dir, lambda: train(cfg, run_dir, model_path, datasets))
 
 

@@ -276,7 +276,9 @@ class InferenceEngineConfig:
     enable_prefix_caching: bool = True
     enable_sleep_mode: bool = False  # colocated engines on GPU always sleep while the workers train
     seed: int = 0
-    num_cpus_per_engine: float = 1.0  # disaggregated only; colocated engines take a share of a bundle
+    # disaggregated only (and an hf engine's torch threads on CPU); colocated engines take a share of a
+    # bundle and, taking turns with the workers, use its cpus_per_worker threads
+    num_cpus_per_engine: float = 1.0
     hf_batch_wait_s: float = 0.005
     max_concurrent_requests: int = 1024
     weight_sync: str = "auto"

@@ -249,6 +249,8 @@ class Trainer:
         check_action_space(resolve_engine_config(e), len(self.allowed_token_ids), key)
         if not self.colocated:
             return InferenceEngineClient.from_config(e, self.model_path, max_restarts=restarts, wait=False)
+        # engines and workers take turns on the bundle: each may use all of its CPUs (an hf engine's threads)
+        e = replace(e, num_cpus_per_engine=self.cfg.trainer.placement.cpus_per_worker)
         strategies = [
             PlacementGroupSchedulingStrategy(placement_group=self._shared_pg, placement_group_bundle_index=i)
             for i in range(e.num_engines)

@@ -356,7 +356,7 @@ def test_a_failed_run_prints_one_paragraph_with_the_command_that_reruns_it(tmp_p
     assert f"Full traceback: {run_dir / 'error.log'}" in result.stderr
     traceback = (run_dir / "error.log").read_text()
     assert "Traceback" in traceback
-    assert "in load_inputs" in traceback and "in train" not in traceback  # read before a cluster starts
+    assert "in load_inputs" in traceback and "in train" not in traceback  # read before the trainer starts
     assert "No checkpoint was written" in result.stderr and f"hydra.run.dir={run_dir}" in result.stderr
 
 

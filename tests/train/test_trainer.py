@@ -285,7 +285,7 @@ SHARED = [
 
 @pytest.fixture(scope="module")
 def shared_run(ray_cluster, tiny_model_path, tmp_path_factory) -> SimpleNamespace:
-    """`SHARED`, observed: where the engine is placed and how many threads the policy has, whether the
+    """`SHARED`, observed: where the engine is placed and how many threads the policy and engine have, whether the
     engines sleep while the workers train, and the answers to a client that sends requests to the
     endpoint throughout; with the run's metrics and console output."""
     run_dir = tmp_path_factory.mktemp("shared")
@@ -320,8 +320,11 @@ def shared_run(ray_cluster, tiny_model_path, tmp_path_factory) -> SimpleNamespac
             )
         )
         seen.shared_pg = trainer._shared_pg.id.hex()
-        seen.policy_threads = ray.get(
-            trainer.policy.actors[0].__ray_call__.remote(lambda _: torch.get_num_threads())
+        seen.threads = ray.get(
+            [
+                actor.__ray_call__.remote(lambda _: torch.get_num_threads())
+                for actor in (trainer.policy.actors[0], trainer.client.engines[0])
+            ]
         )
         thread.start()
         with contextlib.redirect_stdout(console):
@@ -337,8 +340,8 @@ def shared_run(ray_cluster, tiny_model_path, tmp_path_factory) -> SimpleNamespac
 
 def test_colocated_engines_share_the_policy_bundles_and_sleep_while_the_workers_train(shared_run):
     assert shared_run.engine_pg == shared_run.shared_pg
-    # colocated actors take turns, so the policy keeps both cores of its bundle (preset: 2 CPUs)
-    assert shared_run.policy_threads == 2
+    # colocated actors take turns, so the policy and the (hf) engine use both cores of the bundle (2 CPUs)
+    assert shared_run.threads == [2, 2]
     assert shared_run.asleep_during_training == [[True]] * 3
     assert shared_run.asleep_after == [False]
 

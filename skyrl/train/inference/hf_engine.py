@@ -146,6 +146,8 @@ class HFEngine(InferenceEngine):
         self._cfg = cfg
         self._model_path = str(model_path)
         self._device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self._device.type == "cpu":
+            torch.set_num_threads(max(1, int(cfg.num_cpus_per_engine)))
         if cfg.dtype == "auto":
             dtype = "auto" if self._device.type == "cuda" else torch.float32
         else:
