@@ -51,7 +51,7 @@ def start_ray(cfg: SkyRLConfig) -> None:
         from skyrl.train.utils.reaper import reap_descendants_on_exit
 
         num_cpus = cfg.ray.num_cpus or max(4, os.cpu_count() or 1)
-        ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="warning")
+        ray.init(num_cpus=num_cpus, include_dashboard=cfg.ray.include_dashboard, logging_level="warning")
         reap_descendants_on_exit()  # the local cluster goes with this process, even after SIGKILL
 
 

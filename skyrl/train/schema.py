@@ -394,6 +394,8 @@ class DataConfig:
 class RayConfig:
     address: str | None = None  # null: RAY_ADDRESS if set, else start a local cluster
     num_cpus: int | None = None  # local cluster only; null: max(4, cores)
+    # local cluster only: Ray's dashboard (http://127.0.0.1:8265); off, it costs start-up time and CPU
+    include_dashboard: bool = False
 
 
 @dataclass

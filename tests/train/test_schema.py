@@ -260,6 +260,7 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "environment.timeout_s": ("environment.timeout_s=30",),
     "ray.address": ("ray.address=10.0.0.1:6379",),
     "ray.num_cpus": ("ray.num_cpus=3",),
+    "ray.include_dashboard": ("ray.include_dashboard=true",),
 }
 
 # trainer.algorithm keys the workers' losses read (the trainer reads the others)
@@ -391,6 +392,7 @@ EFFECTS = {
 ENTRY_EFFECTS = {
     "ray.address": lambda ray_init, data: ray_init["address"],
     "ray.num_cpus": lambda ray_init, data: ray_init["num_cpus"],
+    "ray.include_dashboard": lambda ray_init, data: ray_init["include_dashboard"],
     "data.train_path": lambda ray_init, data: data[0].source,
     "data.eval_path": lambda ray_init, data: data[1].source,
     "data.num_generated_train_prompts": lambda ray_init, data: len(data[0]),
