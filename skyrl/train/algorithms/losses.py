@@ -303,8 +303,7 @@ class AdaptiveKLController:
         self.value *= 1 + error * n_steps / self.horizon
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) over the last dimension: H = logsumexp(z) - sum_i softmax(z)_i z_i."""
-    # H is shift-invariant; shifting by the max keeps the subtraction exact for large float32 logits
-    shifted = logits - logits.amax(dim=-1, keepdim=True)
-    return torch.logsumexp(shifted, dim=-1) - (torch.softmax(shifted, dim=-1) * shifted).sum(-1)
+def entropy_from_logprobs(logprobs: torch.Tensor) -> torch.Tensor:
+    """Entropy of a distribution given as log-probabilities over the last dimension: H = -sum_i p_i log p_i
+    (a masked-out token, log p = -1e9, adds 0)."""
+    return -(logprobs.exp() * logprobs).sum(-1)

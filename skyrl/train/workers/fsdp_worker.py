@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from skyrl.train.algorithms import (
-    entropy_from_logits,
+    entropy_from_logprobs,
     get_policy_loss,
     kl_penalty,
     loss_scale_for_reduction,
@@ -272,36 +272,51 @@ class FSDPWorker:
         selected = [sorted(i for u in part for i in units[u]) for part in plan]
         return [(indices, data.select_rows(indices)) for indices in selected]
 
+    def _on_device(
+        self, micro_batches: list[tuple[list[int], TrainingInputBatch]]
+    ) -> list[tuple[list[int], TokenLayout, TrainingInputBatch]]:
+        """Each micro-batch's layout (built from its CPU rows) and rows on the device, all before the first
+        forward: a host-device copy waits for the device's queue to drain, so one between micro-batches
+        would leave the device idle while the host prepares the next."""
+        return [
+            (indices, self._layout(mb).to(self.device), mb.to(self.device)) for indices, mb in micro_batches
+        ]
+
     def _layout(self, mb: TrainingInputBatch) -> TokenLayout:
-        layout = build_layout(
+        return build_layout(
             mb["sequences"], mb["attention_mask"], mb["response_mask"], mb.get("prefix_group"), self.packed
         )
-        return layout.to(self.device)
 
     def _logprobs(
-        self, mb: TrainingInputBatch, with_entropy: bool = True
+        self, layout: TokenLayout, with_entropy: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logprobs (and entropy) of every real response token in the rows' [n, R] layout, 0 elsewhere,
         of the distribution the engines sampled from; the LM head runs only at those tokens, one
         `logprob_chunk_tokens` chunk at a time (recomputed in backward), so [tokens, vocab] logits
         never exist whole."""
-        layout = self._layout(mb)
         head = self.model.get_output_embeddings()
         excluded = None
         if self.allowed_token_ids:
             excluded = torch.ones(head.out_features, dtype=torch.bool, device=self.device)
             excluded[self.allowed_token_ids] = False
 
+        # entropy is a metric unless the loss has an entropy term: then no backward (nor recompute) through it
+        entropy_grad = bool(self.cfg.algorithm.entropy_coeff)
+
         def chunk(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            logits = head(hidden).float() / self.temperature
+            # [chunk, vocab] float32 logits: each elementwise pass over them costs as much as a layer's matmuls
+            logits = head(hidden).float()
+            if self.temperature != 1.0:
+                logits = logits / self.temperature
             if excluded is not None:  # finite, so entropy's p * logit stays 0 (not nan) on excluded tokens
                 logits = logits.masked_fill(excluded, -1e9)
-            logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)
-            return (
-                torch.stack([logprobs, entropy_from_logits(logits)], -1)
-                if with_entropy
-                else logprobs[:, None]
-            )
+            distribution = logits.log_softmax(-1)  # one fused pass; backward needs only its output
+            logprobs = distribution.gather(-1, targets[:, None]).squeeze(-1)
+            if not with_entropy:
+                return logprobs[:, None]
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                entropy = entropy_from_logprobs(distribution)
+            return torch.stack([logprobs, entropy], -1)
 
         def heads(hidden: torch.Tensor) -> torch.Tensor:
             size = self.cfg.logprob_chunk_tokens
@@ -313,8 +328,8 @@ class FSDPWorker:
         out = self.root(layout, heads)
         return layout.scatter(out[:, 0]), layout.scatter(out[:, 1]) if with_entropy else None
 
-    def _output(self, mb: TrainingInputBatch) -> dict[str, torch.Tensor]:
-        logprobs, _ = self._logprobs(mb, with_entropy=False)
+    def _output(self, layout: TokenLayout) -> dict[str, torch.Tensor]:
+        logprobs, _ = self._logprobs(layout, with_entropy=False)
         return {"logprobs": logprobs}
 
     @torch.no_grad()
@@ -334,11 +349,13 @@ class FSDPWorker:
         data = TrainingInputBatch.cat(self.rank_rows(parts, fields, dp_size, balance, cost_weight))
         self.model.eval()
         outputs: dict[str, torch.Tensor] = {}
+        micro_batches = self._on_device(self._micro_batches(data, self.cfg.micro_forward_batch_size_per_gpu))
         with contextlib.nullcontext() if adapters or self.lora is None else adapters_disabled(self.model):
-            for indices, mb in self._micro_batches(data, self.cfg.micro_forward_batch_size_per_gpu):
-                for key, value in self._output(mb.to(self.device)).items():
-                    outputs.setdefault(key, value.new_zeros(len(data), value.shape[1], device="cpu"))
-                    outputs[key][indices] = value.cpu()
+            for indices, layout, _ in micro_batches:
+                for key, value in self._output(layout).items():
+                    outputs.setdefault(key, value.new_zeros(len(data), value.shape[1]))
+                    outputs[key][indices] = value
+        outputs = {key: value.cpu() for key, value in outputs.items()}  # one copy (and wait) at the end
         self._release_cached_memory()
         return TrainingInputBatch(outputs)
 
@@ -616,8 +633,8 @@ class MetricTotals:
             value = value.detach().double()
             if key.endswith(("_max", "_min")):
                 signed = value if key.endswith("_max") else -value
-                best = self.extremes.get(
-                    key, torch.tensor(-math.inf, dtype=torch.float64, device=self.device)
+                best = self.extremes.get(  # a fill, not a host-device copy (which would wait for the device)
+                    key, torch.full((), -math.inf, dtype=torch.float64, device=self.device)
                 )
                 self.extremes[key] = torch.where(tokens > 0, torch.maximum(best, signed), best)
             else:
@@ -647,21 +664,25 @@ class TrainableWorker(FSDPWorker, abc.ABC):
     def init_model(self) -> None:
         super().init_model()
         opt = self.section.optimizer
-        # foreach: one dispatch per op for all (DTensor) parameters, not one per parameter; the same
-        # arithmetic as the per-parameter loop torch picks on CPU (on CUDA it picks foreach itself)
+        # On GPU one fused kernel for all parameters (foreach: ~10 passes over them, each a DTensor dispatch);
+        # cpu_offload's shards and CPU runs take foreach: one dispatch per op for all parameters, the same
+        # arithmetic as the per-parameter loop torch picks on CPU
+        fused = self.device.type == "cuda" and not self.section.cpu_offload
         self.optimizer = torch.optim.AdamW(
             self._trainable(),
             lr=opt.lr,
             betas=opt.betas,
             eps=opt.eps,
             weight_decay=opt.weight_decay,
-            foreach=True,
+            **({"fused": True} if fused else {"foreach": True}),
         )
         run_steps = self.cfg.optimizer_steps(getattr(self.cfg, f"{self.role}_mini_batch_size"))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(opt, run_steps))
 
     @abc.abstractmethod
-    def _loss(self, mb: TrainingInputBatch, scale: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
+    def _loss(
+        self, mb: TrainingInputBatch, layout: TokenLayout, scale: torch.Tensor
+    ) -> tuple[torch.Tensor, Metrics]:
         """The micro-batch's share of the mini-batch loss, sum(per-token loss * scale), and metrics.
 
         Metrics are statistics over the micro-batch's loss tokens (`loss_mask`): means,
@@ -683,8 +704,8 @@ class TrainableWorker(FSDPWorker, abc.ABC):
         (all-reduced), and gradients are summed over ranks. Metrics cover every
         micro-batch of every rank: `loss` is the mini-batch loss, means are weighted
         by loss tokens, extremes reduced with max / min, so none depends on the DP or
-        micro-batch size. Gradients are freed after the step (colocated engines need the memory), or
-        kept until the next call with `keep_gradients` (see `gradient_vector`).
+        micro-batch size. Gradients are freed after the step, or kept until the next
+        call with `keep_gradients` (see `gradient_vector`); the CUDA cache stays for the next mini-batch.
         A non-finite loss or gradient norm skips the step: weights, optimizer state, LR schedule and
         `global_step` stay as they were, and `skipped_steps` is 1.
         """
@@ -698,13 +719,12 @@ class TrainableWorker(FSDPWorker, abc.ABC):
             data["loss_mask"], loss_cfg.loss_reduction, loss_cfg.max_seq_len, counts.cpu()
         )
         data["loss_scale"] = scale.float()
-        micro_batches = self._micro_batches(data, self.cfg.micro_train_batch_size_per_gpu)
+        micro_batches = self._on_device(self._micro_batches(data, self.cfg.micro_train_batch_size_per_gpu))
         totals = MetricTotals(self.device)
-        for i, (_, mb) in enumerate(micro_batches):
+        for i, (_, layout, mb) in enumerate(micro_batches):
             if self.sharded:
                 self.root.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            mb = mb.to(self.device)
-            loss, metrics = self._loss(mb, mb["loss_scale"])
+            loss, metrics = self._loss(mb, layout, mb["loss_scale"])
             loss.backward()
             totals.add(loss, metrics, mb["loss_mask"].sum())
         max_norm = (
@@ -724,7 +744,6 @@ class TrainableWorker(FSDPWorker, abc.ABC):
             self.global_step += 1
             if not keep_gradients:
                 self.optimizer.zero_grad(set_to_none=True)
-        self._release_cached_memory()
         return {**metrics, "lr": self.scheduler.get_last_lr()[0], "skipped_steps": float(skip)}
 
     def train_mini_batches(
@@ -737,9 +756,12 @@ class TrainableWorker(FSDPWorker, abc.ABC):
         keep_gradients: bool = False,
     ) -> list[dict[str, float]]:
         """`train_mini_batch` on this rank's rows of each mini-batch in `parts` (see `rank_rows`), in order:
-        one call for a whole epoch. The metrics of each optimizer step."""
+        one call for a whole epoch. The metrics of each optimizer step. Then the CUDA caching allocator's
+        free blocks go back to the colocated engines, once: re-allocating them per step costs device time."""
         minis = self.rank_rows(parts, fields, dp_size, balance, cost_weight)
-        return [self.train_mini_batch(mini, keep_gradients=keep_gradients) for mini in minis]
+        metrics = [self.train_mini_batch(mini, keep_gradients=keep_gradients) for mini in minis]
+        self._release_cached_memory()
+        return metrics
 
     def gradient_vector(self) -> torch.Tensor | None:
         """The full flattened gradient of the trained parameters (LoRA: the adapters) of the last
@@ -753,9 +775,11 @@ class PolicyWorker(TrainableWorker):
 
     role = "policy"
 
-    def _loss(self, mb: TrainingInputBatch, scale: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
+    def _loss(
+        self, mb: TrainingInputBatch, layout: TokenLayout, scale: torch.Tensor
+    ) -> tuple[torch.Tensor, Metrics]:
         cfg = self.cfg.algorithm
-        logprobs, entropy = self._logprobs(mb)
+        logprobs, entropy = self._logprobs(layout)
         per_token, metrics = get_policy_loss(cfg.policy_loss)(
             logprobs,
             mb["old_logprobs"],
@@ -799,19 +823,20 @@ class CriticWorker(TrainableWorker):
             self.model_path, config=config, dtype=torch.float32, **kwargs
         )
 
-    def _values(self, mb: TrainingInputBatch) -> torch.Tensor:
+    def _values(self, layout: TokenLayout) -> torch.Tensor:
         """V(s_t) for each real response token t in the rows' [n, R] layout: the value head at the
         position that predicts it (only there)."""
-        layout = self._layout(mb)
         # a copy, not a view: FSDP warns that an in-place op on a returned view would skip its hooks
         values = self.root(layout, lambda hidden: self.model.score(hidden)[:, 0].float().clone())
         return layout.scatter(values)
 
-    def _output(self, mb: TrainingInputBatch) -> dict[str, torch.Tensor]:
-        return {"values": self._values(mb)}
+    def _output(self, layout: TokenLayout) -> dict[str, torch.Tensor]:
+        return {"values": self._values(layout)}
 
-    def _loss(self, mb: TrainingInputBatch, scale: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
-        values = self._values(mb)
+    def _loss(
+        self, mb: TrainingInputBatch, layout: TokenLayout, scale: torch.Tensor
+    ) -> tuple[torch.Tensor, Metrics]:
+        values = self._values(layout)
         per_token, metrics = value_loss(
             values, mb["old_values"], mb["returns"], mb["loss_mask"], self.cfg.algorithm.value_clip
         )

@@ -7,7 +7,7 @@ from skyrl.train.algorithms import (
     AdaptiveKLController,
     FixedKLController,
     apply_kl_penalty_to_rewards,
-    entropy_from_logits,
+    entropy_from_logprobs,
     kl_penalty,
 )
 
@@ -67,7 +67,11 @@ def test_fixed_kl_controller_never_changes():
     assert controller.value == 0.05
 
 
-def test_entropy_matches_definition_and_is_stable_for_large_logits():
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    return entropy_from_logprobs(logits.log_softmax(-1))
+
+
+def test_entropy_matches_definition_and_is_stable_for_large_and_masked_logits():
     torch.testing.assert_close(
         entropy_from_logits(torch.zeros(2, 4, dtype=F64)), torch.full((2,), math.log(4), dtype=F64)
     )
@@ -76,3 +80,5 @@ def test_entropy_matches_definition_and_is_stable_for_large_logits():
     torch.testing.assert_close(entropy_from_logits(logits), -(probs * probs.log()).sum(-1))
     huge = torch.tensor([[1e4, 0.0, 1e4]], dtype=torch.float32)
     torch.testing.assert_close(entropy_from_logits(huge), torch.tensor([math.log(2)]))
+    masked = torch.tensor([[0.0, -1e9, 0.0]], dtype=torch.float32)  # allowed_token_ids' finite mask
+    torch.testing.assert_close(entropy_from_logits(masked), torch.tensor([math.log(2)]))
