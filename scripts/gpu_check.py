@@ -13,7 +13,9 @@ loads on the CPU and moves layer by layer as it is sharded), a training step wit
 `cpu_offload=true` (CPU shards reduced over gloo beside NCCL), a LoRA step (trainable parameters,
 optimizer state, step time against the full step) and a weight group sent in bf16 (half the bytes).
 
-Usage: python scripts/gpu_check.py [--tiny] [--steps 3] [--peak-tflops 989]
+`--profile` adds the operators that took most of one training step's device time and CPU time.
+
+Usage: python scripts/gpu_check.py [--tiny] [--steps 3] [--peak-tflops 989] [--profile]
 """
 
 from __future__ import annotations
@@ -152,6 +154,21 @@ def timed_step(worker: PolicyWorker, batch) -> tuple[float, dict[str, float]]:
     return time.perf_counter() - start, metrics
 
 
+def profile_step(worker: PolicyWorker, batch, on_gpu: bool) -> str:
+    """The operators of one optimizer step, most device time first, then most CPU time with their children
+    (on CPU: most CPU time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
+        worker.train_mini_batch(batch)
+        if on_gpu:
+            torch.cuda.synchronize()
+    averages = prof.key_averages()
+    keys = ["self_device_time_total", "cpu_time_total"] if on_gpu else ["self_cpu_time_total"]
+    return "\n".join(averages.table(sort_by=key, row_limit=15, max_name_column_width=60) for key in keys)
+
+
 def optimizer_bytes(worker: PolicyWorker) -> int:
     state = [t for s in worker.optimizer.state.values() for t in s.values() if t.dim() > 0]
     return sum(t.numel() * t.element_size() for t in state)
@@ -167,6 +184,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=16384, help="tokens per micro-batch")
     parser.add_argument("--peak-tflops", type=float, help="the device's peak bf16 TFLOP/s (default: by name)")
+    parser.add_argument("--profile", action="store_true", help="print one step's costliest operators")
     args = parser.parse_args()
     on_gpu = torch.cuda.is_available()
     attn = "flash_attention_2" if on_gpu and importlib.util.find_spec("flash_attn") else "sdpa"
@@ -179,7 +197,12 @@ def main() -> None:
         init_peak = torch.cuda.max_memory_allocated() if on_gpu else None
         params = sum(p.numel() for p in worker.model.parameters())
         batch = agent_batch(worker.model.config.vocab_size, args.trajectories, args.turns, args.tiny)
+        worker.forward(batch)  # warm-up
+        if on_gpu:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
         batch["old_logprobs"] = worker.forward(batch)["logprobs"]
+        forward_seconds = time.perf_counter() - start  # the result is on the CPU: synchronised
         ids = batch.metadata["trajectory_ids"]
         trained = int(
             layout_metrics(batch["prefix_group"], batch["attention_mask"], ids)["batch/trained_tokens"]
@@ -194,6 +217,7 @@ def main() -> None:
         if on_gpu:
             torch.cuda.synchronize()
         seconds = (time.perf_counter() - start) / args.steps
+        table = profile_step(worker, batch, on_gpu) if args.profile else None
         peak = (
             torch.cuda.max_memory_allocated()
             if on_gpu
@@ -229,6 +253,10 @@ def main() -> None:
         f"train step: {len(batch)} step-wise rows, {trained:,} tokens forwarded (prefix-shared), "
         f"{seconds:.3f} s/step, {tokens_per_s:,.0f} tokens/s, MFU {mfu}, grad_norm {metrics['grad_norm']:.3f}"
     )
+    print(
+        f"forward (no grad): {forward_seconds:.3f} s, {trained / forward_seconds:,.0f} tokens/s, MFU "
+        + (f"{2 * params * trained / forward_seconds / (peak_tflops * 1e12):.1%}" if peak_tflops else "n/a")
+    )
     print(f"peak memory {peak / 2**30:.2f} GiB")
     print(f"bf16 vs fp32 logprobs: mean |diff| {gap.mean():.2e}, max {gap.max():.2e}")
     print(f"IPC hand-off of a weight group to another process: {'exact' if handed_off else 'MISMATCH'}")
@@ -248,6 +276,8 @@ def main() -> None:
         + ("" if on_gpu else " (cpu: nothing to offload)")
     )
     print(f"a weight group in bf16: {bf16_bytes:,} bytes, in fp32 {fp32_bytes:,}")
+    if table is not None:
+        print(table)
     finite = all(
         torch.isfinite(torch.tensor(m["grad_norm"])) for m in (metrics, lora_metrics, offload_metrics)
     )

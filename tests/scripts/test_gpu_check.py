@@ -22,6 +22,7 @@ def test_gpu_check_trains_and_hands_weights_over_without_ray(tmp_path):
             "2",
             "--turns",
             "3",
+            "--profile",
         ],
         capture_output=True,
         text=True,
@@ -38,3 +39,4 @@ def test_gpu_check_trains_and_hands_weights_over_without_ray(tmp_path):
     assert "IPC hand-off of a weight group to another process: exact" in out
     assert "LoRA rank 16: 47,104 trainable parameters" in out  # the tiny model's 2 layers x 7 projections
     assert "cpu_offload step: grad_norm" in out and "a weight group in bf16" in out
+    assert "forward (no grad): " in out and "Self CPU time total" in out  # --profile's table
