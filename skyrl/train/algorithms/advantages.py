@@ -6,7 +6,7 @@ Every estimator has one signature, so the trainer calls any of them the same way
 
 `rewards` [N, R] are token-level rewards (a turn's reward on its last response
 token), `response_mask` [N, R] is 1 on response tokens, `index` holds one group
-id per row (the prompt uid; rows of one prompt form a group), `values` [N, R]
+id per row (the prompt uid; rows of one prompt form a group; None where the estimator does not group), `values` [N, R]
 come from a critic. The trainer passes every algorithm option as a keyword;
 each estimator uses the ones it names and ignores the rest. Both outputs are
 [N, R] and zero where `response_mask` is 0. Outcome estimators (grpo, rloo)
@@ -40,7 +40,15 @@ def get_advantage_estimator(name: str) -> AdvantageEstimator:
     return ADVANTAGE_ESTIMATORS.get(name)
 
 
-def _check_index(index: Sequence, rewards: torch.Tensor) -> None:
+def _check_index(index: Sequence | None, rewards: torch.Tensor, estimator: str | None = None) -> None:
+    """`index` has one entry per row; None is accepted by estimators that do not group (`estimator` None)
+    and refused, naming it, by those that do."""
+    if index is None:
+        if estimator is not None:
+            raise ValueError(
+                f"advantage estimator {estimator!r} groups rows by prompt: pass index (one id per row)"
+            )
+        return
     if len(index) != rewards.shape[0]:
         raise ValueError(
             f"index has {len(index)} entries but rewards has {rewards.shape[0]} rows; one per row"
@@ -86,7 +94,7 @@ def _gae_scan(
 def gae(
     rewards: torch.Tensor,
     response_mask: torch.Tensor,
-    index: Sequence,
+    index: Sequence | None,
     values: torch.Tensor | None = None,
     *,
     gamma: float = 1.0,
@@ -123,7 +131,7 @@ def grpo(
     mean is subtracted (Dr. GRPO, Liu et al. 2025). A group of one row gets 0.
     Returns equal the advantages.
     """
-    _check_index(index, rewards)
+    _check_index(index, rewards, "grpo")
     scores = rewards.sum(-1)
     mean, size = _group_mean_and_size(scores, index)
     advantages = scores - mean
@@ -147,7 +155,7 @@ def rloo(
 
     score = sum of the row's token rewards. A group of one row gets 0. Returns equal the advantages.
     """
-    _check_index(index, rewards)
+    _check_index(index, rewards, "rloo")
     scores = rewards.sum(-1)
     mean, size = _group_mean_and_size(scores, index)
     baseline = (mean * size - scores) / (size - 1).clamp(min=1)
@@ -160,7 +168,7 @@ def rloo(
 def reinforce_plus_plus(
     rewards: torch.Tensor,
     response_mask: torch.Tensor,
-    index: Sequence,
+    index: Sequence | None,
     values: torch.Tensor | None = None,
     *,
     gamma: float = 1.0,
@@ -175,7 +183,7 @@ def reinforce_plus_plus(
     each row's group-mean score is first subtracted from its last response
     token's reward. Returns are the un-whitened G.
     """
-    _check_index(index, rewards)
+    _check_index(index, rewards, "reinforce++ with group_baseline" if group_baseline else None)
     mask = response_mask.to(rewards.dtype)
     if group_baseline:
         mean, _ = _group_mean_and_size(rewards.sum(-1), index)

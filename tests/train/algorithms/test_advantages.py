@@ -201,3 +201,27 @@ def test_an_index_of_the_wrong_length_names_both_lengths(name):
     rewards = torch.zeros(3, 2)
     with pytest.raises(ValueError, match="index has 2 entries but rewards has 3 rows"):
         get_advantage_estimator(name)(rewards, torch.ones(3, 2), ["a", "b"], torch.zeros(3, 2))
+
+
+@pytest.mark.parametrize(
+    ("name", "options"), [("gae", {"gamma": 0.9, "lambd": 0.5}), ("reinforce++", {"gamma": 0.9})]
+)
+def test_estimators_that_do_not_group_accept_no_index(name, options):
+    """Peer suites (SkyRL's, miles') call GAE and REINFORCE++ with index=None: the same result as with one."""
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]], dtype=torch.float64)
+    values = torch.tensor([[0.5, 0.6, 0.7], [0.1, 0.2, 0.3]], dtype=torch.float64)
+    estimator = get_advantage_estimator(name)
+    expected = estimator(rewards, torch.ones_like(rewards), ["a", "b"], values, **options)
+    got = estimator(rewards, torch.ones_like(rewards), None, values, **options)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [("grpo", {}), ("rloo", {}), ("reinforce++", {"group_baseline": True})],
+)
+def test_estimators_that_group_name_themselves_when_the_index_is_missing(name, options):
+    rewards, mask = outcome_rewards([1.0, 0.0])
+    with pytest.raises(ValueError, match=f"advantage estimator '{name}.*groups rows by prompt: pass index"):
+        get_advantage_estimator(name)(rewards, mask, None, **options)
