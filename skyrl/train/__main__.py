@@ -90,6 +90,7 @@ def load_inputs(cfg: SkyRLConfig) -> tuple[str, Datasets]:
 def train(cfg: SkyRLConfig, run_dir: Path, model_path: str, datasets: Datasets) -> list[dict[str, float]]:
     """Build the trainer in `run_dir`, resume if asked, train, and summarise the run."""
     from skyrl.train.trainer import Trainer
+    from skyrl.train.utils.daemon_pool import abandoned_report
     from skyrl.train.utils.plotting import plot_metrics
 
     trainer = Trainer(cfg, run_dir, model_path, datasets)
@@ -97,6 +98,8 @@ def train(cfg: SkyRLConfig, run_dir: Path, model_path: str, datasets: Datasets) 
         history = trainer.fit()
     finally:
         trainer.shutdown()
+        if (report := abandoned_report()) is not None:
+            logging.getLogger(__name__).warning(report)
     print(summary(cfg, run_dir, history))
     if "jsonl" in cfg.trainer.logger:
         print(f"reward plot: {plot_metrics(run_dir)}")

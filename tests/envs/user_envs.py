@@ -55,6 +55,15 @@ class HangingEnv(ChattyEnv):
         return super().step(action)
 
 
+class StuckEnv(BaseTextEnv):
+    """One turn, reward 1; the step never returns when the row's `stuck` column is true."""
+
+    def step(self, action: str) -> BaseTextEnvStepOutput:
+        if self.extras.get("stuck"):
+            threading.Event().wait()
+        return BaseTextEnvStepOutput([], 1.0, True)
+
+
 class CrashingEnv(ChattyEnv):
     """A ChattyEnv whose process dies on its second step as the row's `crash` column says: `exit`
     (`os._exit(3)`) or `segfault` (a read of address 0). Only for `generator.env_executor=process`."""

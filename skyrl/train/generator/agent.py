@@ -27,12 +27,12 @@ returned gets a 409.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import itertools
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -53,6 +53,7 @@ from skyrl.train.inference.engine import GenerationOutput, SamplingParams
 from skyrl.train.inference.openai_server import APIError, OpenAIServer
 from skyrl.train.schema import EnvironmentConfig, GeneratorConfig, SamplingConfig
 from skyrl.train.utils.background_loop import BackgroundLoop
+from skyrl.train.utils.daemon_pool import DaemonThreadPool
 from skyrl.train.utils.errors import ConfigError
 from skyrl.train.utils.imports import load_entry_point
 
@@ -246,8 +247,9 @@ class AgentGenerator:
             allowed_token_ids=self.allowed_token_ids,
         )
         start = time.perf_counter()
-        # not a `with` block: a sync agent stuck past its timeout must not hold up the batch
-        pool = ThreadPoolExecutor(max_workers=self.cfg.env_workers, thread_name_prefix="skyrl-agent")
+        # not a `with` block: a sync agent stuck past its timeout must not hold up the batch, and daemon
+        # threads: nor the process's exit
+        pool = DaemonThreadPool(self.cfg.env_workers, "skyrl-agent")
         try:
             episodes = list(
                 await asyncio.gather(
@@ -271,7 +273,7 @@ class AgentGenerator:
         return GeneratorOutput(episodes, rollout_metrics(episodes, n, time.perf_counter() - start))
 
     async def _episode(
-        self, row: PromptRow, uid: str, trajectory_id: str, pool: ThreadPoolExecutor, params: SamplingParams
+        self, row: PromptRow, uid: str, trajectory_id: str, pool: DaemonThreadPool, params: SamplingParams
     ) -> Episode:
         session_id = self.sessions.open(trajectory_id, params)
         cfg = self.server.cfg
@@ -310,13 +312,13 @@ class AgentGenerator:
             turn.reward = reward
         return Episode(Trajectory(uid, trajectory_id, turns), "done", sum(rewards), None, metrics)
 
-    def _call(self, row: PromptRow, info: ClientInfo, pool: ThreadPoolExecutor) -> asyncio.Future:
+    def _call(self, row: PromptRow, info: ClientInfo, pool: DaemonThreadPool) -> asyncio.Future:
         """The agent's call: an async agent on the agents' own loop (one that blocks it stalls the agents,
         not the endpoint), a sync one in the pool."""
         if inspect.iscoroutinefunction(self.agent):
             coro = self.agent(row, info)
             return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._agents.loop))
-        return asyncio.get_running_loop().run_in_executor(pool, self.agent, row, info)
+        return asyncio.wrap_future(pool.submit_as(self.cfg.agent, functools.partial(self.agent, row, info)))
 
     def close(self) -> None:
         """Stop the agents' loop (cancelling what still runs on it)."""

@@ -25,12 +25,12 @@ timeout kills its process, and with it those episodes) and a new process takes i
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import statistics
 import time
 from collections import Counter, OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,7 @@ from skyrl.train.dataset.prompt_dataset import PromptRow
 from skyrl.train.generator.env_processes import EnvFailure, EnvProcessPool, RemoteEnv
 from skyrl.train.inference.engine import SamplingParams
 from skyrl.train.schema import EnvironmentConfig, GeneratorConfig, SamplingConfig
+from skyrl.train.utils.daemon_pool import DaemonThreadPool
 from skyrl.train.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -216,25 +217,26 @@ class RolloutManager:
         except ExceptionGroup as errors:
             raise errors.exceptions[0] from None
         finally:
-            if isinstance(pool, ThreadPoolExecutor):
+            if isinstance(pool, DaemonThreadPool):
                 pool.shutdown(wait=False, cancel_futures=True)
         episodes = [task.result() for task in tasks]
         check_failures(episodes, self.cfg.max_env_failure_fraction)
         return GeneratorOutput(episodes, rollout_metrics(episodes, n, time.perf_counter() - start))
 
-    def _env_executor(self) -> ThreadPoolExecutor | EnvProcessPool:
+    def _env_executor(self) -> DaemonThreadPool | EnvProcessPool:
         """This batch's env threads, or the manager's env processes (kept across batches: a process
         starts in about 0.1 s plus its env's imports)."""
         if self.cfg.env_executor == "thread":
-            # not a `with` block: an env call stuck past its timeout must not hold up the batch
-            return ThreadPoolExecutor(max_workers=self.cfg.env_workers, thread_name_prefix="skyrl-env")
+            # not a `with` block: an env call stuck past its timeout must not hold up the batch, and daemon
+            # threads: nor the process's exit
+            return DaemonThreadPool(self.cfg.env_workers, "skyrl-env")
         if self._processes is None:
             self._processes = EnvProcessPool(self.cfg.env_workers)
         return self._processes
 
     async def _env_call(
         self,
-        pool: ThreadPoolExecutor | EnvProcessPool,
+        pool: DaemonThreadPool | EnvProcessPool,
         env: BaseTextEnv | RemoteEnv | None,
         method: str,
         *args: Any,
@@ -251,7 +253,8 @@ class RolloutManager:
             future = pool.make(*args) if env is None else pool.call(env, method, *args)
         else:
             fn = make if env is None else getattr(env, method)
-            name, future = fn.__qualname__, pool.submit(fn, *args)
+            name = f"make({args[0]})" if env is None else fn.__qualname__
+            future = pool.submit_as(name, functools.partial(fn, *args))
         deadline = asyncio.timeout(self.env.timeout_s)
         try:
             async with deadline:
@@ -271,7 +274,7 @@ class RolloutManager:
         row: PromptRow,
         uid: str,
         trajectory_id: str,
-        pool: ThreadPoolExecutor | EnvProcessPool,
+        pool: DaemonThreadPool | EnvProcessPool,
         sampling: SamplingConfig,
     ) -> Episode:
         env_class = row.env_class or self.env.env_class

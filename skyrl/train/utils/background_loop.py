@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 class BackgroundLoop:
@@ -22,12 +24,19 @@ class BackgroundLoop:
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
-    def close(self) -> None:
-        """Cancel every task still on the loop, then stop it and join its thread."""
-        self.run(_cancel_others())
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Cancel every task still on the loop, then stop it and join its thread. A loop that does not get
+        there within `timeout_s` (a task blocks it or ignores its cancellation) is left running: its
+        thread is a daemon, so it does not hold the process's exit."""
+        try:
+            asyncio.run_coroutine_threadsafe(_cancel_others(), self.loop).result(timeout_s)
+        except TimeoutError:
+            logger.warning("%s: a task blocks the loop; left running (%.0f s)", self._thread.name, timeout_s)
+            return
         self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join()
-        self.loop.close()
+        self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self.loop.close()
 
 
 async def _cancel_others() -> None:

@@ -2,6 +2,7 @@
 HTTP (httpx) to the run's endpoint, as any harness would."""
 
 import asyncio
+import threading
 
 import httpx
 
@@ -48,6 +49,13 @@ def rewriting(row, info: ClientInfo) -> AgentResult:
             response = http.post("/chat/completions", json=_body(info, messages), headers=_headers(info))
             tried.append(content(response))
     return AgentResult(reward=[0.0, 0.5, 1.0], metrics={"tried": float(len(tried))})
+
+
+def stuck(row, info: ClientInfo) -> AgentResult:
+    """A sync harness that never returns when the row's `stuck` column is true, else `rewriting`."""
+    if row.extras.get("stuck"):
+        threading.Event().wait()
+    return rewriting(row, info)
 
 
 async def token_level(row, info: ClientInfo) -> AgentResult:
