@@ -12,6 +12,7 @@ import logging
 import os
 import shlex
 import shutil
+import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from skyrl.train.config import CONFIG_DIR, register_schema, validate_config
 from skyrl.train.overrides import check_config_name, check_overrides
 from skyrl.train.schema import SkyRLConfig
 from skyrl.train.utils.errors import ConfigError
+from skyrl.train.utils.preemption import Preempted
 
 if TYPE_CHECKING:
     from skyrl.train.dataset.prompt_dataset import PromptDataset
@@ -95,7 +97,7 @@ def train(cfg: SkyRLConfig, run_dir: Path, model_path: str, datasets: Datasets) 
 
     trainer = Trainer(cfg, run_dir, model_path, datasets)
     try:
-        history = trainer.fit()
+        history = trainer.fit(stop_on_signals=True)
     finally:
         trainer.shutdown()
         if (report := abandoned_report()) is not None:
@@ -103,6 +105,9 @@ def train(cfg: SkyRLConfig, run_dir: Path, model_path: str, datasets: Datasets) 
     print(summary(cfg, run_dir, history))
     if "jsonl" in cfg.trainer.logger:
         print(f"reward plot: {plot_metrics(run_dir)}")
+    if trainer.preempted is not None:
+        name = signal.Signals(trainer.preempted).name
+        raise Preempted(f"{name}: stopped after step {trainer.step} with its checkpoint", trainer.preempted)
     return history
 
 
@@ -132,6 +137,9 @@ def _or_report(cfg: SkyRLConfig, run_dir: Path, call: Callable[[], T]) -> T:
         return call()
     except ConfigError as e:
         sys.exit(f"config error: {e}")
+    except Preempted as e:  # a scheduler's SIGTERM: its conventional exit code
+        print(failure_report(cfg, run_dir, e, sys.argv[1:]), file=sys.stderr)
+        sys.exit(128 + e.signum)
     except (Exception, KeyboardInterrupt) as e:
         sys.exit(failure_report(cfg, run_dir, e, sys.argv[1:]))
 
@@ -143,7 +151,9 @@ def failure_report(cfg: SkyRLConfig, run_dir: Path, error: BaseException, argv: 
 
     log = run_dir / "error.log"
     log.write_text("".join(traceback.format_exception(error)))
-    if isinstance(error, KeyboardInterrupt):
+    if isinstance(error, Preempted):
+        what = f"pre-empted ({error})"
+    elif isinstance(error, KeyboardInterrupt):
         what = "interrupted (Ctrl-C)"
     else:
         message = str(error).strip().splitlines()

@@ -377,6 +377,11 @@ def validate_config(cfg: SkyRLConfig) -> None:
         t.max_restarts >= 0,
         f"trainer.max_restarts={t.max_restarts} must be >= 0 (0: a dead worker ends the run), e.g. 3.",
     )
+    _require(
+        t.preemption_grace_s >= 0,
+        f"trainer.preemption_grace_s={t.preemption_grace_s} must be >= 0 (seconds a signalled run waits for "
+        "its step to end; 0: stop at once), e.g. 15.",
+    )
     staleness = t.async_training.max_staleness
     _require(
         staleness >= 0,

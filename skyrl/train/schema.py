@@ -217,6 +217,10 @@ class TrainerConfig:
     rpc_timeout_s: float = 1800.0  # the longest a call into the workers may take (a step, a checkpoint)
     # a dead policy / ref / critic rank: rebuild the workers from the last checkpoint, this often per run
     max_restarts: int = 3
+    # SIGTERM (or Ctrl-C) stops `python -m skyrl.train` at the next step boundary with a checkpoint, if the
+    # step ends within this many seconds (else it is abandoned: the last complete checkpoint stays); the
+    # default leaves the checkpoint's write room inside a scheduler's usual 30-120 s grace
+    preemption_grace_s: float = 15.0
 
     def optimizer_steps(self, mini_batch_size: int) -> int:
         """Optimizer steps of the whole run for a model trained on `mini_batch_size`-prompt mini-batches;

@@ -61,6 +61,7 @@ from skyrl.train.schema import SkyRLConfig
 from skyrl.train.training_batch import TrainingInputBatch
 from skyrl.train.utils.background_loop import BackgroundLoop
 from skyrl.train.utils.errors import ConfigError
+from skyrl.train.utils.preemption import Preemption
 from skyrl.train.utils.seqlen_balancing import attention_cost_weight
 from skyrl.train.utils.tracking import METRICS_FILE, Tracker
 from skyrl.train.workers.actor_group import (
@@ -105,6 +106,7 @@ class Trainer:
             )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.step = 0
+        self.preempted: int | None = None  # the signal that stopped `fit` early, with a checkpoint
         self.weight_version = 0
         self._engine_dtype: str | None = None  # the engines' weight dtype, asked at the first sync
         self.sync_bytes = 0.0  # what one sync sends each engine (`_sync_dtype`)
@@ -825,8 +827,13 @@ class Trainer:
             return checkpoint
 
     # ---- the run ----
-    def fit(self) -> list[dict[str, float]]:
-        """Train until `total_steps`; returns the per-step metrics of this process."""
+    def fit(self, stop_on_signals: bool = False) -> list[dict[str, float]]:
+        """Train until `total_steps`; returns the per-step metrics of this process.
+
+        With `stop_on_signals` (the CLI; main thread only) a SIGTERM or Ctrl-C during the training loop
+        stops it after the step in progress, with a checkpoint, and `self.preempted` is the signal; a step
+        that does not end within `trainer.preemption_grace_s` is abandoned (`Preempted` is raised).
+        """
         t = self.cfg.trainer
         resumed = self.resume()
         if resumed:
@@ -843,23 +850,29 @@ class Trainer:
         history: list[dict[str, float]] = []
         first_step = self.step
         progress = tqdm(total=t.total_steps, initial=self.step, desc="training", unit="step")
-        while self.step < t.total_steps:
-            try:
-                metrics = self._step_with_extras(progress)
-            except WorkerDiedError as error:
-                checkpoint = self.restart_workers(error)
-                del history[max(0, self.step - first_step) :]
-                self.tracker.rewind(self.step)
-                progress.n = self.step
-                progress.write(
-                    f"a {error.role} worker died; workers restarted from "
-                    f"{checkpoint.name if checkpoint else 'the start of the run'}, at step {self.step}"
-                )
-                continue
-            self.tracker.log(metrics, self.step)
-            history.append(metrics)
-            progress.update(1)
-            progress.write(step_line(self.step, metrics))
+        with Preemption(t.preemption_grace_s) if stop_on_signals else contextlib.nullcontext() as preemption:
+            while self.step < t.total_steps:
+                try:
+                    metrics = self._step_with_extras(progress)
+                except WorkerDiedError as error:
+                    checkpoint = self.restart_workers(error)
+                    del history[max(0, self.step - first_step) :]
+                    self.tracker.rewind(self.step)
+                    progress.n = self.step
+                    progress.write(
+                        f"a {error.role} worker died; workers restarted from "
+                        f"{checkpoint.name if checkpoint else 'the start of the run'}, at step {self.step}"
+                    )
+                    continue
+                self.tracker.log(metrics, self.step)
+                history.append(metrics)
+                progress.update(1)
+                progress.write(step_line(self.step, metrics))
+                if preemption is not None and preemption.at_boundary():
+                    if not (t.ckpt_interval and self.step % t.ckpt_interval == 0):  # none saved at this step
+                        progress.write(f"checkpoint: {self.save_checkpoint()}")
+                    self.preempted = preemption.signum
+                    break
         progress.close()
         return history
 

@@ -160,6 +160,7 @@ BAD_CONFIGS = [
     (["generator.max_engine_restarts=-1"], r"generator.max_engine_restarts=-1 must be >= 0"),
     (["trainer.rpc_timeout_s=-5"], r"trainer.rpc_timeout_s=-5.0 must be > 0"),
     (["trainer.max_restarts=-1"], r"trainer.max_restarts=-1 must be >= 0"),
+    (["trainer.preemption_grace_s=-1"], r"trainer.preemption_grace_s=-1.0 must be >= 0"),
     (["generator.agent=my_agent"], r"generator.agent='my_agent' must be 'package.module:name'"),
     (
         ["generator.agent=no_such_module:run"],

@@ -181,6 +181,7 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "trainer.max_consecutive_skipped_steps": ("trainer.max_consecutive_skipped_steps=2",),
     "trainer.rpc_timeout_s": ("trainer.rpc_timeout_s=60",),
     "trainer.max_restarts": ("trainer.max_restarts=1",),
+    "trainer.preemption_grace_s": ("trainer.preemption_grace_s=60",),
     "generator.n_samples_per_prompt": ("generator.n_samples_per_prompt=4",),
     "generator.max_turns": ("generator.max_turns=2",),
     "generator.max_input_length": ("generator.max_input_length=300",),

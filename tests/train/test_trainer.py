@@ -4,7 +4,9 @@ import asyncio
 import contextlib
 import io
 import json
+import os
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -15,6 +17,7 @@ import httpx
 import pytest
 import ray
 import torch
+from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from skyrl.train.config import compose_config
@@ -119,6 +122,17 @@ class KillsAPolicyWorker(Trainer):
         return super().train(batch)
 
 
+class SignalledMidStep(Trainer):
+    """Sends this process SIGTERM (a scheduler's pre-emption) when step `at_step` starts training."""
+
+    at_step = 3
+
+    def train(self, batch):
+        if self.step + 1 == self.at_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().train(batch)
+
+
 def run(overrides, run_dir, model_path, cls=Trainer):
     """Train with `overrides`; the per-step metrics."""
     trainer = build(compose_config(overrides), run_dir, model_path, cls)
@@ -203,6 +217,31 @@ def test_resume_after_a_kill_continues_like_an_uninterrupted_run(ray_cluster, ti
     with pytest.raises(ConfigError, match=r"resume_mode=none, but the run directory .* global_step_4"):
         run([*common, "trainer.resume_mode=none"], tmp_path / "died", tiny_model_path)
     assert latest_checkpoint(checkpoints).name == "global_step_4"
+
+    # SIGTERM while step 3 trains (as the CLI runs it): step 3 ends, its checkpoint is written (not one of
+    # ckpt_interval's), the loop stops; the resumed run's step 4 and final weights equal the straight run's
+    trainer = build(compose_config(common), tmp_path / "sigterm", tiny_model_path, SignalledMidStep)
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        stopped = trainer.fit(stop_on_signals=True)
+    finally:
+        trainer.shutdown()
+    assert len(stopped) == 3 and trainer.preempted == signal.SIGTERM
+    assert latest_checkpoint(tmp_path / "sigterm" / "checkpoints").name == "global_step_3"
+    assert signal.getsignal(signal.SIGTERM) == handler  # restored after fit
+    resumed = run(common, tmp_path / "sigterm", tiny_model_path)
+    assert [r["step"] for r in read_metrics(tmp_path / "sigterm")] == [1, 2, 3, 4]
+    for a, b in zip(straight, [*stopped, *resumed], strict=True):
+        assert a["reward/mean"] == b["reward/mean"]
+        assert a["policy/loss"] == pytest.approx(b["policy/loss"], rel=1e-4, abs=1e-6)
+        assert a["policy/grad_norm"] == pytest.approx(b["policy/grad_norm"], rel=1e-4, abs=1e-6)
+    final = [
+        load_file(tmp_path / name / "hf_model" / "global_step_4" / "model.safetensors")
+        for name in ("straight", "sigterm")
+    ]
+    assert final[0].keys() == final[1].keys()
+    for name, weight in final[0].items():
+        torch.testing.assert_close(final[1][name], weight, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_ppo_trains_a_critic(ray_cluster, tiny_model_path, tmp_path):
