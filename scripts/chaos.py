@@ -1,23 +1,34 @@
-"""Chaos run: the default job while engine and worker actors are killed at random times.
+"""Chaos run: the default job while faults hit it at random times.
 
 Runs the default job (the tiny model on `guess_number`, colocated, local Ray) twice in one Ray
-cluster: undisturbed, then while a thread kills `--kills` random actors (an inference engine or a
-policy / ref / critic rank, chosen and timed by `--seed`, at times spread over the undisturbed run's
-training time). Then it checks that the chaos run reached `total_steps`, that `metrics.jsonl` holds
+cluster: undisturbed, then while a thread injects `--kills` faults, each of a kind drawn from
+`--faults` and timed by `--seed` over the undisturbed run's training time:
+- `kill`: a random actor dies (an inference engine or a policy / ref / critic rank);
+- `sigterm`: the driver gets SIGTERM, as from a scheduler's pre-emption: the run stops at the step
+  boundary with a checkpoint (or abandons the step after `trainer.preemption_grace_s`), and the script
+  resumes it in the same run directory, as a requeued job would;
+- `hang`: the next environment step never returns (its episode fails at `environment.timeout_s`,
+  which the script sets to 5 s; the stuck thread is abandoned).
+Then it checks that the chaos run reached `total_steps`, that `metrics.jsonl` holds
 each step once, that the policy made exactly the optimizer steps of `total_steps` steps (a step
 rolled back by a worker restart and trained again counts once), and that its last checkpoint loads
-into a new trainer at the final step with the weights of the final export.
+into a new trainer at the final step with the weights of the final export. The script's own exit
+(with hung env threads left behind) is the check that they do not hold the process.
 
-Prints each kill, `kills survived K / N` and `overhead X` (chaos wall time over undisturbed wall
-time, both from the first step to the end). Exits non-zero when a check fails.
+Prints each fault, `faults survived K / N` and `overhead X` (chaos wall time over undisturbed wall
+time, both from the first step to the end, resumes included). Exits non-zero when a check fails.
 
-Usage: python scripts/chaos.py [--kills 4] [--seed 0] [--steps 40] [--ckpt-interval 5] [key=value ...]
+Usage: python scripts/chaos.py [--kills 4] [--faults kill,sigterm,hang] [--seed 0] [--steps 40]
+       [--ckpt-interval 5] [key=value ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import random
+import signal
 import sys
 import tempfile
 import threading
@@ -29,25 +40,64 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from skyrl.envs.guess_number import GuessNumberEnv
 from skyrl.train.config import compose_config
 from skyrl.train.trainer import Trainer, load_datasets, resolve_model_path
+from skyrl.train.utils.preemption import Preempted
 from skyrl.train.utils.tracking import read_metrics
+
+FAULTS = ("kill", "sigterm", "hang")
+HANG_NEXT_STEP = threading.Event()  # armed by a `hang` fault, taken by the next env step
+
+
+def hang_when_armed(step):
+    """`GuessNumberEnv.step`, except that the call that finds `HANG_NEXT_STEP` armed never returns."""
+
+    @functools.wraps(step)
+    def chaos_step(env: GuessNumberEnv, action: str):
+        with HANG_LOCK:
+            hang = HANG_NEXT_STEP.is_set()
+            HANG_NEXT_STEP.clear()
+        if hang:
+            threading.Event().wait()
+        return step(env, action)
+
+    return chaos_step
+
+
+HANG_LOCK = threading.Lock()
+
+
+class Chaos:
+    """The trainer the faults hit now (None while a pre-empted run is being resumed) and when the run's
+    first step started (start-up is left out of the timings)."""
+
+    def __init__(self) -> None:
+        self.trainer: TimedTrainer | None = None
+        self.start: float | None = None
+        self.done = False
 
 
 class TimedTrainer(Trainer):
-    """Records when its first step starts (start-up excluded from the timings)."""
+    """Records the start of the run's first step in `chaos.start`; `stepping` once this process trains
+    (past its resume: its signal handlers are in place)."""
 
-    first_step_at: float | None = None
+    chaos: Chaos
+    stepping = False
 
     def train_step(self) -> dict[str, float]:
-        self.first_step_at = self.first_step_at or time.perf_counter()
+        if self.chaos.start is None:
+            self.chaos.start = time.perf_counter()
+        self.stepping = True
         return super().train_step()
 
 
-def build(overrides: list[str], run_dir: Path) -> TimedTrainer:
+def build(overrides: list[str], run_dir: Path, chaos: Chaos) -> TimedTrainer:
     cfg = compose_config(overrides)
     model = resolve_model_path(cfg.trainer.policy.model.path)
-    return TimedTrainer(cfg, run_dir, model, load_datasets(cfg, AutoTokenizer.from_pretrained(model)))
+    trainer = TimedTrainer(cfg, run_dir, model, load_datasets(cfg, AutoTokenizer.from_pretrained(model)))
+    trainer.chaos = chaos
+    return trainer
 
 
 def victims(trainer: Trainer) -> list[tuple[str, Any]]:
@@ -59,27 +109,58 @@ def victims(trainer: Trainer) -> list[tuple[str, Any]]:
     return actors
 
 
-def kill_at(trainer: TimedTrainer, offsets: list[float], rng: random.Random, kills: list[str]) -> None:
-    """From the first step on, kill a random actor `offsets[i]` seconds in; stops with the run."""
-    while trainer.first_step_at is None:
+def inject(
+    chaos: Chaos, offsets: list[float], kinds: list[str], rng: random.Random, faults: list[str]
+) -> None:
+    """From the first step on, fault `kinds[i]` `offsets[i]` seconds in; stops with the run."""
+    while chaos.start is None:
         time.sleep(0.05)
-    for offset in offsets:
-        while time.perf_counter() < trainer.first_step_at + offset:
-            if trainer.step >= trainer.cfg.trainer.total_steps:
+    for offset, kind in zip(offsets, kinds, strict=True):
+        while (
+            time.perf_counter() < chaos.start + offset or chaos.trainer is None or not chaos.trainer.stepping
+        ):
+            if chaos.done:
                 return
             time.sleep(0.05)
-        name, actor = rng.choice(victims(trainer))
-        ray.kill(actor)
-        kills.append(f"{time.perf_counter() - trainer.first_step_at:6.1f} s, step {trainer.step + 1}: {name}")
-        print(f"chaos: killed {kills[-1]}", flush=True)
+        trainer = chaos.trainer
+        if kind == "kill":
+            name, actor = rng.choice(victims(trainer))
+            ray.kill(actor)
+            what = f"killed {name}"
+        elif kind == "sigterm":
+            chaos.trainer = None  # the next fault waits for the resumed run
+            os.kill(os.getpid(), signal.SIGTERM)
+            what = "SIGTERM to the driver"
+        else:
+            HANG_NEXT_STEP.set()
+            what = "the next env step hangs"
+        faults.append(f"{time.perf_counter() - chaos.start:6.1f} s, step {trainer.step + 1}: {what}")
+        print(f"chaos: {faults[-1]}", flush=True)
 
 
-def timed_fit(trainer: TimedTrainer) -> tuple[list[dict[str, float]], float]:
-    try:
-        history = trainer.fit()
-        return history, time.perf_counter() - (trainer.first_step_at or time.perf_counter())
-    finally:
-        trainer.shutdown()
+def fit_to_the_end(
+    overrides: list[str], run_dir: Path, chaos: Chaos
+) -> tuple[list[dict[str, float]], float, int]:
+    """Train in `run_dir` until `total_steps`, resuming after each pre-emption: the metrics of every
+    process, the seconds from the first step to the end and the number of resumes."""
+    history: list[dict[str, float]] = []
+    resumes = 0
+    while True:
+        trainer = build(overrides, run_dir, chaos)
+        chaos.trainer = trainer
+        try:
+            history += trainer.fit(stop_on_signals=True)
+            preempted = trainer.preempted is not None
+        except Preempted:
+            preempted = True
+        finally:
+            chaos.trainer = None
+            trainer.shutdown()
+        if not preempted:
+            chaos.done = True
+            return history, time.perf_counter() - (chaos.start or time.perf_counter()), resumes
+        resumes += 1
+        print(f"chaos: pre-empted at step {trainer.step}; resuming", flush=True)
 
 
 def checks(run_dir: Path, overrides: list[str], steps: int) -> list[str]:
@@ -91,7 +172,7 @@ def checks(run_dir: Path, overrides: list[str], steps: int) -> list[str]:
         problems.append(
             f"metrics.jsonl holds steps {logged} in {len(lines)} records, not 1..{steps} once each"
         )
-    trainer = build(overrides, run_dir)  # resume_mode=latest
+    trainer = build(overrides, run_dir, Chaos())  # resume_mode=latest
     try:
         resumed = trainer.resume()
         t = trainer.cfg.trainer
@@ -116,42 +197,55 @@ def checks(run_dir: Path, overrides: list[str], steps: int) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kills", type=int, default=4)
+    parser.add_argument("--kills", type=int, default=4, help="how many faults")
+    parser.add_argument("--faults", default="kill", help=f"the kinds to draw from, comma-separated: {FAULTS}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--ckpt-interval", type=int, default=5)
     parser.add_argument("overrides", nargs="*", help="config overrides (key=value) for both runs")
     args = parser.parse_args()
+    kinds_allowed = args.faults.split(",")
+    if unknown := [k for k in kinds_allowed if k not in FAULTS]:
+        parser.error(f"--faults {unknown}: choose from {FAULTS}")
     overrides = [
         f"trainer.total_steps={args.steps}",
         f"trainer.ckpt_interval={args.ckpt_interval}",
         "trainer.logger=[jsonl]",
         f"trainer.max_restarts={args.kills}",
         f"generator.max_engine_restarts={args.kills}",
+        *(["environment.timeout_s=5"] if "hang" in kinds_allowed else []),
         *args.overrides,
     ]
+    GuessNumberEnv.step = hang_when_armed(GuessNumberEnv.step)  # in-process env threads: armed faults only
     ray.init(num_cpus=4, include_dashboard=False, logging_level="warning")
     with tempfile.TemporaryDirectory() as tmp:
-        _, baseline = timed_fit(build(overrides, Path(tmp) / "undisturbed"))
+        _, baseline, _ = fit_to_the_end(overrides, Path(tmp) / "undisturbed", Chaos())
         print(f"undisturbed: {args.steps} steps in {baseline:.1f} s", flush=True)
         rng = random.Random(args.seed)
         offsets = sorted(rng.uniform(0.05, 0.95) * baseline for _ in range(args.kills))
+        # one kind draws nothing: the seeds pick the same kills as before there were kinds
+        kinds = (
+            [rng.choice(kinds_allowed) for _ in offsets]
+            if len(kinds_allowed) > 1
+            else kinds_allowed * len(offsets)
+        )
         run_dir = Path(tmp) / "chaos"
-        trainer = build(overrides, run_dir)
-        kills: list[str] = []
-        killer = threading.Thread(target=kill_at, args=(trainer, offsets, rng, kills), daemon=True)
-        killer.start()
+        chaos, faults = Chaos(), []
+        injector = threading.Thread(target=inject, args=(chaos, offsets, kinds, rng, faults), daemon=True)
+        injector.start()
         try:
-            history, seconds = timed_fit(trainer)
+            history, seconds, resumes = fit_to_the_end(overrides, run_dir, chaos)
         except Exception as error:
-            print(f"the run failed after {len(kills)} kill(s): {error!r}")
+            print(f"the run failed after {len(faults)} fault(s): {error!r}")
             sys.exit(1)
-        killer.join(timeout=1)
-        print(f"chaos: {len(history)} steps in this process, {args.steps} in all, in {seconds:.1f} s")
+        injector.join(timeout=1)
+        print(
+            f"chaos: {len(history)} steps in {resumes + 1} process run(s), {args.steps} in all, in {seconds:.1f} s"
+        )
         problems = checks(run_dir, overrides, args.steps)
     for problem in problems:
         print(f"check failed: {problem}")
-    print(f"kills survived {len(kills)} / {len(kills)}")
+    print(f"faults survived {len(faults)} / {len(faults)}")
     print(f"overhead {seconds / baseline:.2f}")
     sys.exit(1 if problems else 0)
 
