@@ -14,6 +14,9 @@ loads on the CPU and moves layer by layer as it is sharded), a training step wit
 optimizer state, step time against the full step) and a weight group sent in bf16 (half the bytes).
 
 `--profile` adds the operators that took most of one training step's device time and CPU time.
+`--compile` (an experiment, not a skyrl option) runs the measured worker's decoder layers through
+`torch.compile` (dynamic shapes; FSDP's hooks stay outside), to size what fused elementwise kernels
+would give.
 
 Usage: python scripts/gpu_check.py [--tiny] [--steps 3] [--peak-tflops 989] [--profile]
 """
@@ -185,6 +188,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16384, help="tokens per micro-batch")
     parser.add_argument("--peak-tflops", type=float, help="the device's peak bf16 TFLOP/s (default: by name)")
     parser.add_argument("--profile", action="store_true", help="print one step's costliest operators")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the measured worker's layers")
     args = parser.parse_args()
     on_gpu = torch.cuda.is_available()
     attn = "flash_attention_2" if on_gpu and importlib.util.find_spec("flash_attn") else "sdpa"
@@ -195,6 +199,9 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
         worker = make_worker(path, bf16=True, budget=args.max_tokens, attn=attn)
         init_peak = torch.cuda.max_memory_allocated() if on_gpu else None
+        if args.compile:  # compiled at the warm-ups below
+            for layer in worker.model.base_model.layers:
+                layer.forward = torch.compile(layer.forward, dynamic=True)
         params = sum(p.numel() for p in worker.model.parameters())
         batch = agent_batch(worker.model.config.vocab_size, args.trajectories, args.turns, args.tiny)
         worker.forward(batch)  # warm-up
@@ -248,6 +255,7 @@ def main() -> None:
     )
     print(
         f"device {device}, {params / 1e6:.1f}M parameters, attention {attn}, world size 1 ({worker.mesh.device_type})"
+        + (", decoder layers compiled" if args.compile else "")
     )
     print(
         f"train step: {len(batch)} step-wise rows, {trained:,} tokens forwarded (prefix-shared), "
