@@ -272,20 +272,14 @@ class FSDPWorker:
         selected = [sorted(i for u in part for i in units[u]) for part in plan]
         return [(indices, data.select_rows(indices)) for indices in selected]
 
-    def _on_device(
-        self, micro_batches: list[tuple[list[int], TrainingInputBatch]]
-    ) -> list[tuple[list[int], TokenLayout, TrainingInputBatch]]:
-        """Each micro-batch's layout (built from its CPU rows) and rows on the device, all before the first
-        forward: a host-device copy waits for the device's queue to drain, so one between micro-batches
-        would leave the device idle while the host prepares the next."""
-        return [
-            (indices, self._layout(mb).to(self.device), mb.to(self.device)) for indices, mb in micro_batches
-        ]
-
     def _layout(self, mb: TrainingInputBatch) -> TokenLayout:
-        return build_layout(
+        """The micro-batch's layout, built from its CPU rows, on the device. Callers take every micro-batch's
+        before the first forward: a host-device copy waits for the device's queue to drain, so one between
+        micro-batches would leave the device idle while the host prepares the next."""
+        layout = build_layout(
             mb["sequences"], mb["attention_mask"], mb["response_mask"], mb.get("prefix_group"), self.packed
         )
+        return layout.to(self.device)
 
     def _logprobs(
         self, layout: TokenLayout, with_entropy: bool = True
@@ -349,9 +343,10 @@ class FSDPWorker:
         data = TrainingInputBatch.cat(self.rank_rows(parts, fields, dp_size, balance, cost_weight))
         self.model.eval()
         outputs: dict[str, torch.Tensor] = {}
-        micro_batches = self._on_device(self._micro_batches(data, self.cfg.micro_forward_batch_size_per_gpu))
+        micro_batches = self._micro_batches(data, self.cfg.micro_forward_batch_size_per_gpu)
+        layouts = [(indices, self._layout(mb)) for indices, mb in micro_batches]
         with contextlib.nullcontext() if adapters or self.lora is None else adapters_disabled(self.model):
-            for indices, layout, _ in micro_batches:
+            for indices, layout in layouts:
                 for key, value in self._output(layout).items():
                     outputs.setdefault(key, value.new_zeros(len(data), value.shape[1]))
                     outputs[key][indices] = value
@@ -719,9 +714,12 @@ class TrainableWorker(FSDPWorker, abc.ABC):
             data["loss_mask"], loss_cfg.loss_reduction, loss_cfg.max_seq_len, counts.cpu()
         )
         data["loss_scale"] = scale.float()
-        micro_batches = self._on_device(self._micro_batches(data, self.cfg.micro_train_batch_size_per_gpu))
+        micro_batches = [  # all on the device before the first forward (see `_layout`)
+            (self._layout(mb), mb.to(self.device))
+            for _, mb in self._micro_batches(data, self.cfg.micro_train_batch_size_per_gpu)
+        ]
         totals = MetricTotals(self.device)
-        for i, (_, layout, mb) in enumerate(micro_batches):
+        for i, (layout, mb) in enumerate(micro_batches):
             if self.sharded:
                 self.root.set_requires_gradient_sync(i == len(micro_batches) - 1)
             loss, metrics = self._loss(mb, layout, mb["loss_scale"])
