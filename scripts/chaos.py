@@ -47,25 +47,19 @@ from skyrl.train.utils.preemption import Preempted
 from skyrl.train.utils.tracking import read_metrics
 
 FAULTS = ("kill", "sigterm", "hang")
-HANG_NEXT_STEP = threading.Event()  # armed by a `hang` fault, taken by the next env step
+HANGS = threading.Semaphore(0)  # one release per `hang` fault, taken by the next env step
 
 
 def hang_when_armed(step):
-    """`GuessNumberEnv.step`, except that the call that finds `HANG_NEXT_STEP` armed never returns."""
+    """`GuessNumberEnv.step`, except that a call that takes one of `HANGS` never returns."""
 
     @functools.wraps(step)
     def chaos_step(env: GuessNumberEnv, action: str):
-        with HANG_LOCK:
-            hang = HANG_NEXT_STEP.is_set()
-            HANG_NEXT_STEP.clear()
-        if hang:
+        if HANGS.acquire(blocking=False):
             threading.Event().wait()
         return step(env, action)
 
     return chaos_step
-
-
-HANG_LOCK = threading.Lock()
 
 
 class Chaos:
@@ -132,7 +126,7 @@ def inject(
             os.kill(os.getpid(), signal.SIGTERM)
             what = "SIGTERM to the driver"
         else:
-            HANG_NEXT_STEP.set()
+            HANGS.release()
             what = "the next env step hangs"
         faults.append(f"{time.perf_counter() - chaos.start:6.1f} s, step {trainer.step + 1}: {what}")
         print(f"chaos: {faults[-1]}", flush=True)

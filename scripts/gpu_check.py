@@ -18,7 +18,7 @@ optimizer state, step time against the full step) and a weight group sent in bf1
 `torch.compile` (dynamic shapes; FSDP's hooks stay outside), to size what fused elementwise kernels
 would give.
 
-Usage: python scripts/gpu_check.py [--tiny] [--steps 3] [--peak-tflops 989] [--profile]
+Usage: python scripts/gpu_check.py [--tiny] [--steps 3] [--peak-tflops 989] [--profile] [--compile]
 """
 
 from __future__ import annotations

@@ -137,11 +137,12 @@ def _or_report(cfg: SkyRLConfig, run_dir: Path, call: Callable[[], T]) -> T:
         return call()
     except ConfigError as e:
         sys.exit(f"config error: {e}")
-    except Preempted as e:  # a scheduler's SIGTERM: its conventional exit code
-        print(failure_report(cfg, run_dir, e, sys.argv[1:]), file=sys.stderr)
-        sys.exit(128 + e.signum)
     except (Exception, KeyboardInterrupt) as e:
-        sys.exit(failure_report(cfg, run_dir, e, sys.argv[1:]))
+        report = failure_report(cfg, run_dir, e, sys.argv[1:])
+        if isinstance(e, Preempted):  # a scheduler's SIGTERM: its conventional exit code
+            print(report, file=sys.stderr)
+            sys.exit(128 + e.signum)
+        sys.exit(report)
 
 
 def failure_report(cfg: SkyRLConfig, run_dir: Path, error: BaseException, argv: list[str]) -> str:
