@@ -3,28 +3,29 @@
 Runs the real `PolicyWorker` (world size 1) on step-wise, prefix-shared, token-budget
 micro-batches and the CUDA IPC weight hand-off (`shared_weights`) to a second process,
 so it runs on a bare CUDA box. On a GPU: NCCL, bf16, a Qwen2.5-0.5B-shaped model built
-from its config (random weights), flash_attention_2 (packed sequences) when flash-attn is
-installed, sdpa otherwise. With `--tiny` (what CI runs, on CPU): the tiny model, gloo,
+from its config (random weights), packed sequences through `--attn varlen` (torch's own
+varlen flash attention; the default) or `flash_attention_2` (flash-attn installed), or
+padded ones through `sdpa`. With `--tiny` (what CI runs, on CPU): the tiny model, gloo,
 /dev/shm. Prints tokens/s, MFU (6 x parameters x tokens / time / the device's peak bf16
 FLOP/s, from a table of cards or `--peak-tflops`), peak memory, the bf16-vs-fp32 logprob
-agreement, and whether the other process read the shared weights exactly. Then the paths the first
+agreement, the packed layout against the padded one (`sdpa`: logprob agreement and step time), and
+whether the other process read the shared weights exactly. Then the paths the first
 GPU run must prove: the device memory `init_model` peaks at against the fp32 model's size (the model
 loads on the CPU and moves layer by layer as it is sharded), a training step with
 `cpu_offload=true` (CPU shards reduced over gloo beside NCCL), a LoRA step (trainable parameters,
 optimizer state, step time against the full step) and a weight group sent in bf16 (half the bytes).
 
 `--profile` adds the operators that took most of one training step's device time and CPU time.
-`--compile` (an experiment, not a skyrl option) runs the measured worker's decoder layers through
-`torch.compile` (dynamic shapes; FSDP's hooks stay outside), to size what fused elementwise kernels
-would give.
+`--compile` measures the worker with `trainer.policy.model.compile=true` (decoder layers and LM
+head chunks through `torch.compile`; compiled in the warm-up steps).
 
-Usage: python scripts/gpu_check.py [--tiny] [--steps 3] [--peak-tflops 989] [--profile] [--compile]
+Usage: python scripts/gpu_check.py [--tiny] [--steps 3] [--attn varlen] [--peak-tflops 989] [--profile]
+       [--compile]
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import multiprocessing
 import random
 import resource
@@ -42,7 +43,14 @@ from skyrl.train.dataset.preprocess import (
     prefix_groups,
     trajectories_to_sequences,
 )
-from skyrl.train.schema import LoRAConfig, ModelConfig, OptimizerConfig, PolicyConfig, TrainerConfig
+from skyrl.train.schema import (
+    ATTN_IMPLEMENTATIONS,
+    LoRAConfig,
+    ModelConfig,
+    OptimizerConfig,
+    PolicyConfig,
+    TrainerConfig,
+)
 from skyrl.train.workers.fsdp_worker import PolicyWorker
 
 # dense bf16 tensor-core peaks, TFLOP/s, by a substring of torch.cuda.get_device_name()
@@ -93,11 +101,18 @@ def agent_batch(vocab_size: int, trajectories: int, turns: int, tiny: bool):
 
 
 def make_worker(
-    path: str, bf16: bool, budget: int, attn: str, mesh=None, lora_rank: int = 0, cpu_offload: bool = False
+    path: str,
+    bf16: bool,
+    budget: int,
+    attn: str,
+    mesh=None,
+    lora_rank: int = 0,
+    cpu_offload: bool = False,
+    compile: bool = False,
 ) -> PolicyWorker:
     cfg = TrainerConfig(
         policy=PolicyConfig(
-            model=ModelConfig(attn_implementation=attn),
+            model=ModelConfig(attn_implementation=attn, compile=compile),
             optimizer=OptimizerConfig(lr=1e-5),
             bf16=bf16,
             lora=LoRAConfig(rank=lora_rank, alpha=2.0 * lora_rank),
@@ -188,20 +203,18 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16384, help="tokens per micro-batch")
     parser.add_argument("--peak-tflops", type=float, help="the device's peak bf16 TFLOP/s (default: by name)")
     parser.add_argument("--profile", action="store_true", help="print one step's costliest operators")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the measured worker's layers")
+    parser.add_argument("--compile", action="store_true", help="the measured worker with model.compile=true")
+    parser.add_argument("--attn", default="varlen", choices=ATTN_IMPLEMENTATIONS, help="attn_implementation")
     args = parser.parse_args()
     on_gpu = torch.cuda.is_available()
-    attn = "flash_attention_2" if on_gpu and importlib.util.find_spec("flash_attn") else "sdpa"
+    attn = args.attn
     device = torch.cuda.get_device_name() if on_gpu else "cpu"
     with tempfile.TemporaryDirectory() as tmp:
         path = build_model(tmp, args.tiny)
         if on_gpu:
             torch.cuda.reset_peak_memory_stats()
-        worker = make_worker(path, bf16=True, budget=args.max_tokens, attn=attn)
+        worker = make_worker(path, bf16=True, budget=args.max_tokens, attn=attn, compile=args.compile)
         init_peak = torch.cuda.max_memory_allocated() if on_gpu else None
-        if args.compile:  # compiled at the warm-ups below
-            for layer in worker.model.base_model.layers:
-                layer.forward = torch.compile(layer.forward, dynamic=True)
         params = sum(p.numel() for p in worker.model.parameters())
         batch = agent_batch(worker.model.config.vocab_size, args.trajectories, args.turns, args.tiny)
         worker.forward(batch)  # warm-up
@@ -230,14 +243,43 @@ def main() -> None:
             if on_gpu
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         )
+        peak_tflops = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device), None)
+        tokens_per_s = trained / seconds
+        mfu = (
+            f"{6 * params * tokens_per_s / (peak_tflops * 1e12):.1%}"
+            if peak_tflops
+            else "n/a (give --peak-tflops)"
+        )
+        print(
+            f"device {device}, {params / 1e6:.1f}M parameters, attention {attn}, world size 1 ({worker.mesh.device_type})"
+            + (", decoder layers compiled" if args.compile else "")
+        )
+        print(
+            f"train step: {len(batch)} step-wise rows, {trained:,} tokens forwarded (prefix-shared), "
+            f"{seconds:.3f} s/step, {tokens_per_s:,.0f} tokens/s, MFU {mfu}, grad_norm {metrics['grad_norm']:.3f}"
+        )
+        print(
+            f"forward (no grad): {forward_seconds:.3f} s, {trained / forward_seconds:,.0f} tokens/s, MFU "
+            + (
+                f"{2 * params * trained / forward_seconds / (peak_tflops * 1e12):.1%}"
+                if peak_tflops
+                else "n/a"
+            )
+        )
+        print(f"peak memory {peak / 2**30:.2f} GiB")
+        if table is not None:
+            print(table)
         reference = make_worker(path, bf16=False, budget=args.max_tokens, attn=attn, mesh=worker.mesh)
         fp32 = reference.forward(batch)["logprobs"]
         bf16 = batch["old_logprobs"]  # the same weights, before the steps
         mask = batch["response_mask"].bool()
         gap = (bf16 - fp32)[mask].abs()
+        padded = make_worker(path, True, args.max_tokens, "sdpa", mesh=worker.mesh, compile=args.compile)
+        layout_gap = (padded.forward(batch)["logprobs"] - bf16)[mask].abs()
+        padded_seconds, _ = timed_step(padded, batch)
         handed_off = ipc_handoff(worker)
         full_seconds, _ = timed_step(worker, batch)
-        lora = make_worker(path, True, args.max_tokens, attn, mesh=worker.mesh, lora_rank=16)
+        lora = make_worker(path, True, args.max_tokens, attn, worker.mesh, lora_rank=16, compile=args.compile)
         lora_seconds, lora_metrics = timed_step(lora, batch)
         lora_params = sum(p.numel() for p in lora._trainable())
         offload = make_worker(path, True, args.max_tokens, attn, mesh=worker.mesh, cpu_offload=True)
@@ -246,27 +288,11 @@ def main() -> None:
         fp32_group = next(worker.iter_weight_groups())
         bf16_bytes = sum(t.numel() * t.element_size() for t in group.values())
         fp32_bytes = sum(t.numel() * t.element_size() for t in fp32_group.values())
-    peak_tflops = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device), None)
-    tokens_per_s = trained / seconds
-    mfu = (
-        f"{6 * params * tokens_per_s / (peak_tflops * 1e12):.1%}"
-        if peak_tflops
-        else "n/a (give --peak-tflops)"
-    )
-    print(
-        f"device {device}, {params / 1e6:.1f}M parameters, attention {attn}, world size 1 ({worker.mesh.device_type})"
-        + (", decoder layers compiled" if args.compile else "")
-    )
-    print(
-        f"train step: {len(batch)} step-wise rows, {trained:,} tokens forwarded (prefix-shared), "
-        f"{seconds:.3f} s/step, {tokens_per_s:,.0f} tokens/s, MFU {mfu}, grad_norm {metrics['grad_norm']:.3f}"
-    )
-    print(
-        f"forward (no grad): {forward_seconds:.3f} s, {trained / forward_seconds:,.0f} tokens/s, MFU "
-        + (f"{2 * params * trained / forward_seconds / (peak_tflops * 1e12):.1%}" if peak_tflops else "n/a")
-    )
-    print(f"peak memory {peak / 2**30:.2f} GiB")
     print(f"bf16 vs fp32 logprobs: mean |diff| {gap.mean():.2e}, max {gap.max():.2e}")
+    print(
+        f"{attn} vs sdpa (padded to each micro-batch's longest) in bf16: logprobs mean |diff| "
+        f"{layout_gap.mean():.2e}, max {layout_gap.max():.2e}; sdpa {padded_seconds:.3f} s/step"
+    )
     print(f"IPC hand-off of a weight group to another process: {'exact' if handed_off else 'MISMATCH'}")
     model_bytes = 4 * params
     print(
@@ -284,8 +310,6 @@ def main() -> None:
         + ("" if on_gpu else " (cpu: nothing to offload)")
     )
     print(f"a weight group in bf16: {bf16_bytes:,} bytes, in fp32 {fp32_bytes:,}")
-    if table is not None:
-        print(table)
     finite = all(
         torch.isfinite(torch.tensor(m["grad_norm"])) for m in (metrics, lora_metrics, offload_metrics)
     )

@@ -221,7 +221,7 @@ def validate_config(cfg: SkyRLConfig) -> None:
         _require(
             implementation in ATTN_IMPLEMENTATIONS,
             f"trainer.{role}.model.attn_implementation={implementation!r} is not one of "
-            f"{list(ATTN_IMPLEMENTATIONS)}; sdpa works everywhere.",
+            f"{list(ATTN_IMPLEMENTATIONS)}; sdpa works everywhere, varlen packs sequences without padding.",
         )
     _known("trainer.algorithm.advantage_estimator", a.advantage_estimator, get_advantage_estimator)
     _known("trainer.algorithm.policy_loss", a.policy_loss, get_policy_loss)

@@ -16,7 +16,8 @@ from typing import Any
 # ---------------------------------------------------------------------------
 
 
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "varlen")
+PACKED_ATTENTION = ("flash_attention_2", "varlen")  # micro-batches as packed sequences, no padding
 
 
 @dataclass
@@ -25,13 +26,17 @@ class ModelConfig:
     default tiny model locally (no network) and loads it from its cache directory. The reference
     and critic default to null: the policy's model. `gradient_checkpointing` recomputes each
     decoder layer's activations in the backward pass (less memory, ~1/3 more compute; trained
-    models only). `attn_implementation`: one of `ATTN_IMPLEMENTATIONS`; `flash_attention_2`
-    (GPU, the flash-attn package) computes micro-batches as packed sequences without padding,
-    the others right-pad each micro-batch to its own longest sequence."""
+    models only). `attn_implementation`: one of `ATTN_IMPLEMENTATIONS`; `varlen` (torch's own
+    variable-length flash attention on a GPU, per-sequence sdpa on the CPU) and `flash_attention_2`
+    (GPU, the flash-attn package) compute micro-batches as packed sequences without padding, the
+    others right-pad each micro-batch to its own longest sequence. `compile` runs each decoder
+    layer and the LM head's logprob chunks through `torch.compile` (fused elementwise kernels; the
+    first steps pay the compilation)."""
 
     path: str | None = "tiny"
     gradient_checkpointing: bool = False
     attn_implementation: str = "sdpa"
+    compile: bool = False
 
 
 @dataclass

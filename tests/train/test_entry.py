@@ -128,7 +128,7 @@ BAD_CONFIGS = [
     (["trainer.logprob_chunk_tokens=0"], r"trainer.logprob_chunk_tokens=0 must be positive"),
     (
         ["trainer.critic.model.attn_implementation=flash"],
-        r"trainer.critic.model.attn_implementation='flash' is not one of \['sdpa', 'eager', 'flash_attention_2'\]",
+        r"trainer.critic.model.attn_implementation='flash' is not one of \['sdpa', 'eager', 'flash_attention_2', 'varlen'\]",
     ),
     (
         ["environment.config.guess_number.allowed_tokens=[]"],

@@ -46,6 +46,7 @@ from skyrl.train.algorithms import (
     value_loss,
 )
 from skyrl.train.schema import (
+    PACKED_ATTENTION,
     CriticConfig,
     LoRAConfig,
     OptimizerConfig,
@@ -55,6 +56,8 @@ from skyrl.train.schema import (
 )
 from skyrl.train.training_batch import TrainingInputBatch, partition_rows, row_groups
 from skyrl.train.utils.seqlen_balancing import attention_aware_cost, attention_cost_weight
+from skyrl.train.workers.attention import HF_NAME as VARLEN_HF_NAME
+from skyrl.train.workers.attention import register_varlen
 from skyrl.train.workers.layout import TokenLayout, build_layout, plan_micro_batches, unit_tokens
 from skyrl.train.workers.lora import (
     adapter_tensors,
@@ -87,7 +90,10 @@ class TokenModel(torch.nn.Module):
 
     def forward(self, layout: TokenLayout, head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         hidden = self.model.base_model(
-            input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False
+            input_ids=layout.input_ids,
+            position_ids=layout.position_ids,
+            use_cache=False,
+            **layout.attention_kwargs(),
         ).last_hidden_state
         return head(hidden.flatten(0, 1).index_select(0, layout.index))
 
@@ -96,6 +102,31 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor: gathered from its shards (a DTensor), or a copy of an unsharded one (never a view
     of live weights)."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach().clone()
+
+
+def head_chunk(
+    head: torch.nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    excluded: torch.Tensor | None,
+    with_entropy: bool,
+    entropy_grad: bool,
+) -> torch.Tensor:
+    """One chunk of the LM head: [K, 1] logprobs of `targets` under softmax(logits / `temperature`) over
+    the tokens not `excluded`, or [K, 2] with each position's entropy (differentiable when `entropy_grad`)."""
+    # [K, vocab] float32 logits: each eager elementwise pass over them costs as much as a layer's matmuls
+    logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    if excluded is not None:  # finite, so entropy's p * logit stays 0 (not nan) on excluded tokens
+        logits = logits.masked_fill(excluded, -1e9)
+    distribution = logits.log_softmax(-1)  # one fused pass; backward needs only its output
+    logprobs = distribution.gather(-1, targets[:, None]).squeeze(-1)
+    if not with_entropy:
+        return logprobs[:, None]
+    entropy = entropy_from_logprobs(distribution if entropy_grad else distribution.detach())
+    return torch.stack([logprobs, entropy], -1)
 
 
 def process_group_backend(device_type: str) -> str:
@@ -206,7 +237,10 @@ class FSDPWorker:
                 f"package (device {self.device.type}, flash_attn "
                 f"{'missing' if importlib.util.find_spec('flash_attn') is None else 'installed'}); use sdpa"
             )
-        self.packed = implementation == "flash_attention_2"  # varlen kernels: no padding at all
+        self.packed = implementation in PACKED_ATTENTION  # varlen kernels: no padding at all
+        if implementation == "varlen":
+            register_varlen()
+            implementation = VARLEN_HF_NAME
         # loaded on the CPU: fully_shard moves each layer to the device as it shards it, so the GPU never
         # holds the whole fp32 model (colocated engines start after the workers and need the room)
         model = self._load_model(attn_implementation=implementation)
@@ -233,6 +267,11 @@ class FSDPWorker:
                 # sum, not average, across ranks (gloo has no PREMUL_SUM; the loss carries the scale)
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
+        self._head_chunk = head_chunk
+        if settings.compile:  # compiled at the first forward; FSDP's hooks stay outside the compiled code
+            for layer in model.base_model.layers:
+                layer.forward = torch.compile(layer.forward, dynamic=True)
+            self._head_chunk = torch.compile(head_chunk, dynamic=True)
         self.model, self.root = model, root
         self.global_step = 0
         self._warned_long_unit = False
@@ -293,31 +332,20 @@ class FSDPWorker:
         if self.allowed_token_ids:
             excluded = torch.ones(head.out_features, dtype=torch.bool, device=self.device)
             excluded[self.allowed_token_ids] = False
-
         # entropy is a metric unless the loss has an entropy term: then no backward (nor recompute) through it
-        entropy_grad = bool(self.cfg.algorithm.entropy_coeff)
-
-        def chunk(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            # [chunk, vocab] float32 logits: each elementwise pass over them costs as much as a layer's matmuls
-            logits = head(hidden).float()
-            if self.temperature != 1.0:
-                logits = logits / self.temperature
-            if excluded is not None:  # finite, so entropy's p * logit stays 0 (not nan) on excluded tokens
-                logits = logits.masked_fill(excluded, -1e9)
-            distribution = logits.log_softmax(-1)  # one fused pass; backward needs only its output
-            logprobs = distribution.gather(-1, targets[:, None]).squeeze(-1)
-            if not with_entropy:
-                return logprobs[:, None]
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                entropy = entropy_from_logprobs(distribution)
-            return torch.stack([logprobs, entropy], -1)
+        settings = (self.temperature, excluded, with_entropy, bool(self.cfg.algorithm.entropy_coeff))
 
         def heads(hidden: torch.Tensor) -> torch.Tensor:
             size = self.cfg.logprob_chunk_tokens
             parts = zip(hidden.split(size), layout.targets.split(size), strict=True)
             if torch.is_grad_enabled():
-                return torch.cat([checkpoint(chunk, h, t, use_reentrant=False) for h, t in parts])
-            return torch.cat([chunk(h, t) for h, t in parts])
+                return torch.cat(
+                    [
+                        checkpoint(self._head_chunk, head, h, t, *settings, use_reentrant=False)
+                        for h, t in parts
+                    ]
+                )
+            return torch.cat([self._head_chunk(head, h, t, *settings) for h, t in parts])
 
         out = self.root(layout, heads)
         return layout.scatter(out[:, 0]), layout.scatter(out[:, 1]) if with_entropy else None

@@ -16,8 +16,8 @@ Pure torch: no Ray, no model.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -87,14 +87,16 @@ def _token_plan(
         k += 1
 
 
-@dataclass
+@dataclasses.dataclass
 class TokenLayout:
     """One micro-batch as the model computes it.
 
     `input_ids` / `position_ids` [B, L]; `index` [K]: flat positions (b * L + t) of the
     hidden states that predict the K needed tokens (every row's real response tokens),
     `targets` [K] those tokens, `rows` / `cols` [K] where each sits in the rows' [n, R]
-    layout. Packed layouts have B = 1 and positions restarting at each unit.
+    layout. Packed layouts have B = 1 and positions restarting at each unit; their `cu_seqlens`
+    [units + 1] (int32) are the units' boundaries and `max_length` the longest unit's tokens (None
+    when not packed), what variable-length attention kernels take.
     """
 
     input_ids: torch.Tensor
@@ -105,6 +107,8 @@ class TokenLayout:
     cols: torch.Tensor
     num_rows: int
     width: int
+    cu_seqlens: torch.Tensor | None = None
+    max_length: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -115,15 +119,17 @@ class TokenLayout:
         out = values.new_zeros(self.num_rows, self.width)
         return out.index_put((self.rows, self.cols), values)
 
+    def attention_kwargs(self) -> dict:
+        """What a Hugging Face model's forward passes down to its attention function for this layout."""
+        if self.cu_seqlens is None:
+            return {}
+        bounds = {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens}
+        return {**bounds, "max_length_q": self.max_length, "max_length_k": self.max_length}
+
     def to(self, device: torch.device) -> TokenLayout:
-        moved = {k: getattr(self, k).to(device) for k in ("input_ids", "position_ids", "index", "targets")}
-        return TokenLayout(
-            **moved,
-            rows=self.rows.to(device),
-            cols=self.cols.to(device),
-            num_rows=self.num_rows,
-            width=self.width,
-        )
+        tensors = ("input_ids", "position_ids", "index", "targets", "rows", "cols", "cu_seqlens")
+        moved = {k: getattr(self, k).to(device) for k in tensors if getattr(self, k) is not None}
+        return dataclasses.replace(self, **moved)
 
 
 def build_layout(
@@ -174,4 +180,10 @@ def build_layout(
     def cat(parts: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
-    return TokenLayout(input_ids, position_ids, cat(index), cat(targets), cat(rows), cat(cols), n, width)
+    bounds = {}
+    if packed:
+        cu_seqlens = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        bounds = {"cu_seqlens": cu_seqlens, "max_length": max(lengths)}
+    return TokenLayout(
+        input_ids, position_ids, cat(index), cat(targets), cat(rows), cat(cols), n, width, **bounds
+    )

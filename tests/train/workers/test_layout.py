@@ -1,5 +1,6 @@
 """Compute layouts against the plain per-row forward of a real HF model (no Ray)."""
 
+import itertools
 import random
 
 import pytest
@@ -15,6 +16,8 @@ from skyrl.train.dataset.preprocess import (
     trajectories_to_sequences,
 )
 from skyrl.train.training_batch import pad_training_input_batch, partition_rows
+from skyrl.train.workers.attention import HF_NAME as VARLEN_HF_NAME
+from skyrl.train.workers.attention import register_varlen
 from skyrl.train.workers.layout import build_layout, plan_micro_batches, unit_tokens
 
 
@@ -63,6 +66,15 @@ def model(tiny_model_path):
     return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
 
 
+@pytest.fixture(scope="module")
+def varlen_model(tiny_model_path):
+    """The model with `attn_implementation=varlen`: packed sequences told apart by the layout's `cu_seqlens`."""
+    register_varlen()
+    return AutoModelForCausalLM.from_pretrained(
+        tiny_model_path, dtype=torch.float32, attn_implementation=VARLEN_HF_NAME
+    ).eval()
+
+
 def plain_logprobs(model, batch):
     """The per-row reference: each row alone, unpadded."""
     out = torch.zeros(batch["response_mask"].shape)
@@ -78,21 +90,33 @@ def plain_logprobs(model, batch):
 
 def layout_logprobs(model, layout):
     hidden = model.model(
-        input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False
+        input_ids=layout.input_ids,
+        position_ids=layout.position_ids,
+        use_cache=False,
+        **layout.attention_kwargs(),
     ).last_hidden_state
     logits = model.lm_head(hidden.flatten(0, 1)[layout.index]).float()
     return layout.scatter(logits.log_softmax(-1).gather(-1, layout.targets[:, None])[:, 0])
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["trimmed", "packed"])
+LAYOUTS = {"trimmed": (False, "model"), "packed": (True, "model"), "varlen": (True, "varlen_model")}
+
+
+@pytest.mark.parametrize("compute", list(LAYOUTS))
 @pytest.mark.parametrize("share", [True, False], ids=["prefix-shared", "per-step"])
 @torch.no_grad()
-def test_a_layout_gives_every_row_its_plain_logprobs(model, packed, share):
+def test_a_layout_gives_every_row_its_plain_logprobs(model, request, compute, share):
+    """Padded rows (sdpa), packed rows (sdpa with a mask Hugging Face builds from the positions) and packed
+    rows through `varlen` (the layout's sequence boundaries) give each row's own logprobs."""
+    packed, computing = LAYOUTS[compute]
     batch = pad_training_input_batch(batch_of(episodes(rewrite_last=True)), 3)  # pad rows compute nothing
     group = batch["prefix_group"] if share else None
     layout = build_layout(batch["sequences"], batch["attention_mask"], batch["response_mask"], group, packed)
     torch.testing.assert_close(
-        layout_logprobs(model, layout), plain_logprobs(model, batch), rtol=1e-5, atol=1e-5
+        layout_logprobs(request.getfixturevalue(computing), layout),
+        plain_logprobs(model, batch),
+        rtol=1e-5,
+        atol=1e-5,
     )
     assert layout.index.numel() == int(batch["response_mask"].sum())
     lengths = batch["attention_mask"][:-3].sum(-1)
@@ -102,10 +126,17 @@ def test_a_layout_gives_every_row_its_plain_logprobs(model, packed, share):
         )
         expected = real["batch/trained_tokens"] if share else float(lengths.sum())
         assert layout.input_ids.shape == (1, expected)
+        starts = (layout.position_ids[0] == 0).nonzero().flatten().tolist()  # each sequence's first token
+        assert layout.cu_seqlens.tolist() == [*starts, expected]
+        assert layout.max_length == max(b - a for a, b in itertools.pairwise(layout.cu_seqlens.tolist()))
+    else:
+        assert layout.cu_seqlens is None and layout.attention_kwargs() == {}
 
 
+@pytest.mark.parametrize("computing", ["model", "varlen_model"], ids=["sdpa", "varlen"])
 @torch.no_grad()
-def test_packed_sequences_do_not_attend_to_each_other(model):
+def test_packed_sequences_do_not_attend_to_each_other(request, computing):
+    model = request.getfixturevalue(computing)
     batch = batch_of(episodes())
     args = (batch["attention_mask"], batch["response_mask"], batch["prefix_group"], True)
     before = layout_logprobs(model, build_layout(batch["sequences"], *args))

@@ -121,3 +121,65 @@ ENTROPY_SCRIPT = textwrap.dedent(
 def test_the_entropy_term_reaches_the_gradient_only_when_its_coefficient_is_set(tiny_model_path):
     """The entropy metric is computed outside autograd unless `entropy_coeff` puts it in the loss."""
     assert "entropy term in the gradient" in run_script(ENTROPY_SCRIPT, tiny_model_path)
+
+
+COMPILED_SCRIPT = textwrap.dedent(
+    """
+    import functools, socket, sys
+    import torch
+    from skyrl.train.dataset.preprocess import Trajectory, Turn, collate_sequences, trajectories_to_sequences
+    from skyrl.train.dataset.preprocess import prefix_groups
+    from skyrl.train.schema import TrainerConfig
+    from skyrl.train.workers.fsdp_worker import PolicyWorker
+
+    cfg = TrainerConfig()
+    cfg.algorithm.entropy_coeff = 0.1  # the head's entropy in the compiled backward too
+    cfg.max_tokens_per_micro_batch = 20  # two micro-batches
+    worker = PolicyWorker(cfg, 0, 1, sys.argv[1])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker.init_process_group("127.0.0.1", port)
+    episodes = []
+    for t in range(3):  # several sequences packed into each micro-batch's one row
+        context = [5 + t, 6, 7 + t]
+        turns = [Turn(context, [8, 9 + t], [0.0] * 2, [1, 1]), Turn([*context, 8, 9 + t, 4], [3, 2, t], [0.0] * 3, [1] * 3)]
+        episodes.append(Trajectory(f"p{t}", f"p{t}/0", turns))
+    sequences = trajectories_to_sequences(episodes, True)
+    batch = collate_sequences(sequences, 0)
+    batch["prefix_group"] = torch.tensor(prefix_groups(sequences))
+    batch["advantages"] = torch.linspace(-1, 1, batch["response_mask"].numel()).view_as(batch["response_mask"])
+    batch["loss_mask"] = batch["response_mask"].float()
+
+    def run(attn, compiled, old_logprobs=None):
+        worker.cfg.policy.model.attn_implementation, worker.cfg.policy.model.compile = attn, compiled
+        worker.init_model()
+        logprobs = worker.forward(batch)["logprobs"] if old_logprobs is None else None
+        batch["old_logprobs"] = logprobs if old_logprobs is None else old_logprobs
+        metrics = worker.train_mini_batch(batch, keep_gradients=True)
+        return logprobs, worker.gradient_vector(), metrics
+
+    plain = run("sdpa", False)
+    packed = run("varlen", False)
+    assert worker.packed and len(worker._micro_batches(batch, 8)) == 2
+    assert worker.model.config._attn_implementation == "skyrl_varlen"
+    torch.testing.assert_close(packed[0], plain[0], rtol=1e-5, atol=1e-5)
+    # compiled: traced by dynamo and differentiated by AOT autograd as on a GPU, but run without inductor's code
+    # generation (tens of seconds of C++ compiles on a CPU; its kernels are torch's to test): the training step
+    # only, from the plain old logprobs
+    torch.compile = functools.partial(torch.compile, backend="aot_eager")
+    compiled = run("sdpa", True, plain[0])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # the layers' and the head's
+    for _, gradient, metrics in (packed, compiled):
+        torch.testing.assert_close(gradient, plain[1], rtol=1e-4, atol=1e-6)
+        for key in ("loss", "entropy", "approx_kl"):
+            assert abs(metrics[key] - plain[2][key]) < 1e-5, (key, metrics[key], plain[2][key])
+    print("varlen and compiled train like the plain path")
+    """
+)
+
+
+def test_varlen_and_compiled_workers_train_like_the_plain_one(tiny_model_path):
+    """`attn_implementation=varlen` (packed rows) and `model.compile` (decoder layers and LM-head chunks through
+    torch.compile) each give the plain worker's logprobs, gradient (entropy term included) and metrics."""
+    assert "varlen and compiled train like the plain path" in run_script(COMPILED_SCRIPT, tiny_model_path)
