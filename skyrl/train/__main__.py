@@ -148,7 +148,7 @@ def _or_report(cfg: SkyRLConfig, run_dir: Path, call: Callable[[], T]) -> T:
 def failure_report(cfg: SkyRLConfig, run_dir: Path, error: BaseException, argv: list[str]) -> str:
     """One paragraph for the console: what stopped the run, where its traceback is (`error.log` in the
     run directory, written here) and the command that resumes it (or reruns it without a checkpoint)."""
-    from skyrl.train.workers.actor_group import latest_checkpoint
+    from skyrl.train.checkpoints import latest_checkpoint
 
     log = run_dir / "error.log"
     log.write_text("".join(traceback.format_exception(error)))

@@ -13,9 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import random
-import shutil
 import time
 from collections.abc import Awaitable, Coroutine, Iterator
 from dataclasses import asdict, replace
@@ -40,6 +38,7 @@ from skyrl.train.algorithms import (
     masked_mean,
     off_policy_correction,
 )
+from skyrl.train.checkpoints import Checkpoints
 from skyrl.train.dataset.preprocess import (
     collate_sequences,
     compute_prompt_mini_batch_boundaries,
@@ -68,16 +67,13 @@ from skyrl.train.workers.actor_group import (
     ActorGroup,
     WorkerDiedError,
     create_placement_group,
-    latest_checkpoint,
     pin_to_cores,
     unpin_driver,
 )
 from skyrl.train.workers.dispatch import MeshDispatch, StagedMiniBatch
-from skyrl.train.workers.fsdp_worker import CHECKPOINT_DONE, CriticWorker, FSDPWorker, PolicyWorker, RefWorker
+from skyrl.train.workers.fsdp_worker import CriticWorker, FSDPWorker, PolicyWorker, RefWorker
 
 logger = logging.getLogger(__name__)
-TRAINER_STATE = "trainer_state.json"
-DRIVER_RNG = "driver_rng.pt"
 ENDPOINT_FILE = "http_endpoint.json"  # the HTTP endpoint's base_url, model and whether it needs a key
 TIED_STEPS_WARNING = 5  # warn after this many steps without a group that has reward variance
 # what every forward pass reads (prefix_group: which rows are computed as one sequence)
@@ -96,14 +92,8 @@ class Trainer:
     ):
         self.cfg, self.run_dir, self.model_path = cfg, Path(run_dir), model_path
         t = cfg.trainer
-        previous = latest_checkpoint(self.ckpt_root)
-        if t.resume_mode == "none" and previous is not None:
-            raise ConfigError(
-                f"trainer.resume_mode=none, but the run directory {self.run_dir} holds checkpoints of an earlier "
-                f"run (latest: {previous.name}); a new run there would delete or mix with them. Give the new run "
-                "a directory of its own (hydra.run.dir=...), continue the old one with trainer.resume_mode=latest, "
-                f"or delete {self.ckpt_root}."
-            )
+        self.checkpoints = Checkpoints(self.run_dir, t)
+        self.checkpoints.check_fresh()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.step = 0
         self.preempted: int | None = None  # the signal that stopped `fit` early, with a checkpoint
@@ -711,30 +701,13 @@ class Trainer:
         return metrics
 
     # ---- checkpoints ----
-    @property
-    def ckpt_root(self) -> Path:
-        return self.run_dir / "checkpoints"
+    def _trained_groups(self) -> dict[str, ActorGroup]:
+        """The worker groups a checkpoint holds, by name."""
+        return {"policy": self.policy} | ({"critic": self.critic} if self.critic is not None else {})
 
     def save_checkpoint(self) -> Path:
-        """Workers and trainer state into `global_step_N.tmp`, renamed when complete."""
-        final = self.ckpt_root / f"global_step_{self.step}"
-        tmp = Path(f"{final}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        self.policy.save_checkpoint(tmp / "policy")
-        if self.critic is not None:
-            self.critic.save_checkpoint(tmp / "critic")
-        state, rng = self._driver_state()
-        (tmp / TRAINER_STATE).write_text(json.dumps(state))
-        torch.save(rng, tmp / DRIVER_RNG)
-        (tmp / CHECKPOINT_DONE).touch()
-        os.replace(tmp, final)
-        complete = sorted(
-            self.ckpt_root.glob("global_step_*[0-9]"), key=lambda p: int(p.name.rsplit("_", 1)[1])
-        )
-        for old in complete[: max(0, len(complete) - self.cfg.trainer.max_ckpts_to_keep)]:
-            shutil.rmtree(old)
-        return final
+        """This step's checkpoint of the trained workers and the driver."""
+        return self.checkpoints.save(self.step, self._trained_groups(), self._driver_state())
 
     def _driver_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """What a checkpoint holds of the driver: the loop's state (JSON) and its random generators."""
@@ -750,28 +723,17 @@ class Trainer:
     def resume(self) -> Path | None:
         """Continue from the checkpoint `trainer.resume_mode` names (`latest`: the newest complete one in
         the run directory, if any); returns its path, or None when the run starts afresh."""
-        mode = self.cfg.trainer.resume_mode
-        if mode == "none":
-            return None
-        path = latest_checkpoint(self.ckpt_root) if mode == "latest" else Path(mode)
-        if path is None:
-            return None
-        if not (path / CHECKPOINT_DONE).exists():
-            raise FileNotFoundError(f"trainer.resume_mode={mode}: {path} is not a complete checkpoint")
-        self._restore(path)
+        path = self.checkpoints.to_resume()
+        if path is not None:
+            self._restore(path)
         return path
 
     def _restore(self, path: Path | None) -> None:
         """Workers and driver from checkpoint `path`, or the state this run started in when None (the
         workers must be new then); then the engines get the restored policy's weights."""
-        if path is None:
-            state, rng = self._initial_state
-        else:
-            self.policy.load_checkpoint(path / "policy")
-            if self.critic is not None:
-                self.critic.load_checkpoint(path / "critic")
-            state = json.loads((path / TRAINER_STATE).read_text())
-            rng = torch.load(path / DRIVER_RNG, weights_only=False)
+        state, rng = (
+            self._initial_state if path is None else self.checkpoints.load(path, self._trained_groups())
+        )
         self.step = state["step"]
         # the engines accept only newer versions: after a worker restart theirs may be ahead
         self.weight_version = max(state["weight_version"], self.client.weight_version)
@@ -798,7 +760,7 @@ class Trainer:
                     error.role, error.ranks, error.method, f"{error.cause} ({used})"
                 ) from error
             self.worker_restarts += 1
-            checkpoint = latest_checkpoint(self.ckpt_root)
+            checkpoint = self.checkpoints.latest()
             logger.warning(
                 "%s; restarting the workers from %s (restart %d of trainer.max_restarts=%d)",
                 error,
@@ -869,7 +831,7 @@ class Trainer:
                 progress.update(1)
                 progress.write(step_line(self.step, metrics))
                 if preemption is not None and preemption.at_boundary():
-                    if not (t.ckpt_interval and self.step % t.ckpt_interval == 0):  # none saved at this step
+                    if not self.checkpoints.due(self.step):  # none saved at this step
                         progress.write(f"checkpoint: {self.save_checkpoint()}")
                     self.preempted = preemption.signum
                     break
@@ -886,18 +848,10 @@ class Trainer:
             progress.write(
                 f"eval at step {self.step}: " + ", ".join(f"{k} {v:.3f}" for k, v in evaluation.items())
             )
-        if t.ckpt_interval and self.step % t.ckpt_interval == 0:
+        if self.checkpoints.due(self.step):
             progress.write(f"checkpoint: {self.save_checkpoint()}")
-        if self.step == t.total_steps or (t.hf_save_interval and self.step % t.hf_save_interval == 0):
-            export = self.run_dir / "hf_model" / f"global_step_{self.step}"
-            self.policy.run("save_hf_model", str(export))
-            if self.lora_sync is None:
-                what = "from_pretrained-ready"
-            else:
-                what = "LoRA adapter for PeftModel.from_pretrained" + (
-                    ", merged model in merged/" if t.export_merged else ""
-                )
-            progress.write(f"exported the policy ({what}): {export}")
+        if self.checkpoints.export_due(self.step):
+            progress.write(self.checkpoints.export(self.step, self.policy))
         return metrics
 
     def shutdown(self) -> None:

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
+from skyrl.train.checkpoints import latest_checkpoint
 from skyrl.train.config import compose_config
 from skyrl.train.dataset.preprocess import Trajectory, Turn, mask_groups
 from skyrl.train.generator.rollout import Episode
@@ -33,8 +34,8 @@ from skyrl.train.trainer import (
 )
 from skyrl.train.utils.errors import ConfigError
 from skyrl.train.utils.tracking import read_metrics
-from skyrl.train.workers.actor_group import WorkerDiedError, latest_checkpoint
-from skyrl.train.workers.fsdp_worker import CHECKPOINT_DONE
+from skyrl.train.workers.actor_group import WorkerDiedError
+from skyrl.train.workers.persistence import CHECKPOINT_DONE
 
 ROOT = Path(__file__).resolve().parents[2]
 KV = "kv_cache_memory_bytes=67108864"

@@ -27,7 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from skyrl.train.schema import TrainerConfig
 from skyrl.train.training_batch import TrainingInputBatch
 from skyrl.train.workers.dispatch import MeshDispatch, StagedMiniBatch
-from skyrl.train.workers.fsdp_worker import CHECKPOINT_DONE, FSDPWorker
+from skyrl.train.workers.fsdp_worker import FSDPWorker
 
 PIN_TIMEOUT_S = 60.0  # the longest pinning an idle actor to its cores may take
 DEATH_POLL_S = 2.0  # while some ranks of a call have finished, how often the others' liveness is checked
@@ -316,13 +316,3 @@ class ActorGroup:
     def kill(self) -> None:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
-
-
-def latest_checkpoint(root: str | Path, prefix: str = "global_step_") -> Path | None:
-    """The complete checkpoint `root/<prefix>N` with the largest N; half-written ones are skipped."""
-    complete = [
-        p
-        for p in Path(root).glob(f"{prefix}*")
-        if p.is_dir() and p.name[len(prefix) :].isdigit() and (p / CHECKPOINT_DONE).exists()
-    ]
-    return max(complete, key=lambda p: int(p.name[len(prefix) :]), default=None)

@@ -14,22 +14,14 @@ import contextlib
 import importlib.util
 import logging
 import math
-import os
-import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -56,6 +48,7 @@ from skyrl.train.schema import (
 )
 from skyrl.train.training_batch import TrainingInputBatch, partition_rows, row_groups
 from skyrl.train.utils.seqlen_balancing import attention_aware_cost, attention_cost_weight
+from skyrl.train.workers import persistence
 from skyrl.train.workers.attention import HF_NAME as VARLEN_HF_NAME
 from skyrl.train.workers.attention import register_varlen
 from skyrl.train.workers.layout import TokenLayout, build_layout, plan_micro_batches, unit_tokens
@@ -71,7 +64,6 @@ if TYPE_CHECKING:  # the weight-sync helpers import Ray: a worker loads them onl
     from skyrl.train.inference.weight_sync import WeightSyncGroup
     from skyrl.train.inference.weights import StreamSpec
 
-CHECKPOINT_DONE = "COMPLETE"
 Metrics = dict[str, torch.Tensor]
 logger = logging.getLogger(__name__)
 
@@ -524,115 +516,18 @@ class FSDPWorker:
             for _ in groups:  # after a failure too: the other ranks are in the same collectives
                 pass
 
+    # ---- persistence (skyrl.train.workers.persistence) ----
     def save_hf_model(self, path: str) -> None:
-        """`save_pretrained` of the full model and its tokenizer to `path`, from rank 0 (collective).
+        """`save_pretrained` of the model (with LoRA: the adapter) and its tokenizer to `path` (collective)."""
+        persistence.save_hf_model(self, path)
 
-        With LoRA, `path` holds the adapter in peft's format (`PeftModel.from_pretrained` over the base
-        model) and the tokenizer; with `trainer.export_merged` also the merged model in `path/merged`."""
-        from transformers import AutoTokenizer
-
-        if self.lora is None:
-            state = self.full_state_dict()
-            if self.rank == 0:
-                self.model.save_pretrained(path, state_dict=state)
-                AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
-        else:
-            from skyrl.train.inference.weights import save_peft_adapter
-
-            adapters = self.adapter_state_dict(scaled=False)
-            full = self._gathered(
-                n for n, p in self.model.named_parameters() if p.requires_grad and not is_adapter_name(n)
-            )
-            merged = self.full_state_dict() if self.cfg.export_merged else None
-            if self.rank == 0:
-                save_peft_adapter(path, adapters, self.lora.alpha, self.model_path, full)
-                AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
-                if merged is not None:
-                    self._save_merged(str(Path(path) / "merged"), merged)
-        dist.barrier()
-
-    def _save_merged(self, path: str, state: dict[str, torch.Tensor]) -> None:
-        """The merged model as a plain checkpoint of the base model's class (the LoRA layers are gone)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        with torch.device("meta"):
-            plain = AutoModelForCausalLM.from_config(self.model.config)
-        plain.save_pretrained(path, state_dict=state)
-        AutoTokenizer.from_pretrained(self.model_path).save_pretrained(path)
-
-    # ---- checkpoints ----
     def save_checkpoint(self, path: str) -> None:
-        """Sharded model + optimizer (torch.distributed.checkpoint), schedule and RNG, atomically.
-
-        Every rank writes into `path.tmp`; after a barrier rank 0 marks it complete
-        and renames it to `path`, so a kill mid-write leaves no `path` at all.
-        """
-        final, tmp = Path(path), Path(f"{path}.tmp")
-        state = self._state_dict()
-        dcp.save(state, checkpoint_id=str(tmp))
-        torch.save(self._local_state(), tmp / f"local_rank{self.rank}.pt")
-        dist.barrier()
-        if self.rank == 0:
-            (tmp / CHECKPOINT_DONE).touch()
-            os.replace(tmp, final)
-        dist.barrier()
+        """This rank's shards of the model and optimizer, schedule and RNG into checkpoint `path` (collective)."""
+        persistence.save_checkpoint(self, path)
 
     def load_checkpoint(self, path: str) -> None:
-        if not (Path(path) / CHECKPOINT_DONE).exists():
-            raise FileNotFoundError(f"{path} is not a complete checkpoint (no {CHECKPOINT_DONE} marker)")
-        local = torch.load(Path(path) / f"local_rank{self.rank}.pt", weights_only=False)
-        rank = self.lora.rank if self.lora else 0
-        if local.get("lora_rank", 0) != rank:
-            raise ValueError(
-                f"{path} was saved with trainer.{self.role}.lora.rank={local.get('lora_rank', 0)}, this run has "
-                f"trainer.{self.role}.lora.rank={rank}; resume with the checkpoint's setting"
-            )
-        state = self._state_dict()
-        dcp.load(state, checkpoint_id=path)
-        options = StateDictOptions(strict=self.lora is None)  # LoRA: the adapters (and full heads) only
-        if self.optimizer is not None:
-            set_state_dict(
-                self.model,
-                self.optimizer,
-                model_state_dict=state["model"],
-                optim_state_dict=state["optimizer"],
-                options=options,
-            )
-        else:
-            set_model_state_dict(self.model, state["model"], options=options)
-        self.global_step = local["global_step"]
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(local["scheduler"])
-        torch.set_rng_state(local["torch_rng"])
-        random.setstate(local["python_rng"])
-        np.random.set_state(local["numpy_rng"])
-        if torch.cuda.is_available() and "cuda_rng" in local:
-            torch.cuda.set_rng_state(local["cuda_rng"])
-
-    def _state_dict(self) -> dict:
-        """What a checkpoint holds of the model (with LoRA only what trains: the base is `model_path`)
-        and of the optimizer."""
-        if self.optimizer is None:
-            return {"model": get_model_state_dict(self.model)}
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        if self.lora is not None:
-            trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
-            model_state = {name: t for name, t in model_state.items() if name in trainable}
-        return {"model": model_state, "optimizer": optim_state}
-
-    def _local_state(self) -> dict:
-        state = {
-            "global_step": self.global_step,
-            "lora_rank": self.lora.rank if self.lora else 0,
-            "base_model": self.model_path,
-            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
-            "torch_rng": torch.get_rng_state(),
-            "python_rng": random.getstate(),
-            "numpy_rng": np.random.get_state(),
-        }
-        if torch.cuda.is_available():
-            state["cuda_rng"] = torch.cuda.get_rng_state()
-        return state
+        """The model, optimizer, schedule and RNG from checkpoint `path` (collective)."""
+        persistence.load_checkpoint(self, path)
 
 
 class MetricTotals:

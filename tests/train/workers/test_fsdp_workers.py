@@ -9,13 +9,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from scripts.check_dp_equivalence import NUM_PROMPTS, stepwise_batch
+from skyrl.train.checkpoints import Checkpoints, latest_checkpoint
 from skyrl.train.dataset.preprocess import compute_prompt_mini_batch_boundaries
 from skyrl.train.inference import InferenceEngineClient, InferenceEngineConfig
 from skyrl.train.inference.weights import stream_spec
 from skyrl.train.schema import AlgorithmConfig, CriticConfig, OptimizerConfig, PolicyConfig, TrainerConfig
-from skyrl.train.workers.actor_group import ActorGroup, create_placement_group, latest_checkpoint
+from skyrl.train.utils.errors import ConfigError
+from skyrl.train.workers.actor_group import ActorGroup, create_placement_group
 from skyrl.train.workers.dispatch import MeshDispatch
-from skyrl.train.workers.fsdp_worker import CHECKPOINT_DONE, CriticWorker, PolicyWorker, RefWorker
+from skyrl.train.workers.fsdp_worker import CriticWorker, PolicyWorker, RefWorker
+from skyrl.train.workers.persistence import CHECKPOINT_DONE
 
 from .conftest import row_logprobs
 
@@ -314,3 +317,25 @@ def test_off_policy_weights_scale_the_policy_gradient_term(policy_dp2):
     (half,) = policy_dp2.train(policy_dp2.stage(batch, bounds[:1]))
     assert half["loss"] == pytest.approx(0.5 * plain["loss"], rel=1e-5)
     assert half["grad_norm"] == pytest.approx(0.5 * plain["grad_norm"], rel=1e-5)
+
+
+def test_the_run_keeps_its_newest_complete_checkpoints_and_resumes_by_mode(policy_dp2, tmp_path):
+    """`Checkpoints` owns the run's layout: step directories with each group's shards and the driver's
+    state, pruned to `max_ckpts_to_keep`, found again by `resume_mode`."""
+    cfg = TrainerConfig(max_ckpts_to_keep=2, resume_mode="latest")
+    checkpoints = Checkpoints(tmp_path, cfg)
+    policy_dp2.run("init_model")
+    for step in (1, 2, 3):
+        checkpoints.save(step, {"policy": policy_dp2}, ({"step": step}, {"rng": [step]}))
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["global_step_2", "global_step_3"]
+    assert (root / "global_step_3" / "policy" / CHECKPOINT_DONE).exists()
+    assert checkpoints.to_resume() == root / "global_step_3"
+    assert checkpoints.load(root / "global_step_3", {"policy": policy_dp2}) == ({"step": 3}, {"rng": [3]})
+    cfg.resume_mode = str(root / "global_step_1")  # pruned
+    with pytest.raises(FileNotFoundError, match="global_step_1 is not a complete checkpoint"):
+        checkpoints.to_resume()
+    cfg.resume_mode = "none"
+    assert checkpoints.to_resume() is None
+    with pytest.raises(ConfigError, match=r"resume_mode=none, but the run directory .* global_step_3"):
+        checkpoints.check_fresh()
