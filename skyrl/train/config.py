@@ -15,7 +15,16 @@ from pathlib import Path
 from typing import Any
 
 from skyrl.train.overrides import check_config_name, check_overrides
-from skyrl.train.schema import ATTN_IMPLEMENTATIONS, ENV_EXECUTORS, ENV_FAILURE_MODES, ROLES, SkyRLConfig
+from skyrl.train.schema import (
+    ATTN_IMPLEMENTATIONS,
+    ENV_EXECUTORS,
+    ENV_FAILURE_MODES,
+    ROLES,
+    AlgorithmConfig,
+    GeneratorConfig,
+    SkyRLConfig,
+    TrainerConfig,
+)
 from skyrl.train.utils.errors import ConfigError
 
 
@@ -147,260 +156,319 @@ def _known(key: str, value: str, resolve: Any) -> None:
 
 def batch_sizes(cfg: SkyRLConfig) -> BatchSizes:
     """The batch-size settings of `cfg`, with the data-parallel sizes its placement gives."""
-    t, p = cfg.trainer, cfg.trainer.placement
-    critic = t.algorithm.advantage_estimator == "gae"
+    trainer, placement = cfg.trainer, cfg.trainer.placement
+    critic = trainer.algorithm.advantage_estimator == "gae"
     return BatchSizes(
-        train_batch_size=t.train_batch_size,
-        policy_mini_batch_size=t.policy_mini_batch_size,
-        micro_train_batch_size_per_gpu=t.micro_train_batch_size_per_gpu,
-        micro_forward_batch_size_per_gpu=t.micro_forward_batch_size_per_gpu,
+        train_batch_size=trainer.train_batch_size,
+        policy_mini_batch_size=trainer.policy_mini_batch_size,
+        micro_train_batch_size_per_gpu=trainer.micro_train_batch_size_per_gpu,
+        micro_forward_batch_size_per_gpu=trainer.micro_forward_batch_size_per_gpu,
         n_samples_per_prompt=cfg.generator.n_samples_per_prompt,
-        policy_dp_size=p.dp_size("policy"),
+        policy_dp_size=placement.dp_size("policy"),
         step_wise=cfg.generator.step_wise,
-        critic_mini_batch_size=t.critic_mini_batch_size if critic else None,
-        critic_dp_size=p.dp_size("critic"),
+        critic_mini_batch_size=trainer.critic_mini_batch_size if critic else None,
+        critic_dp_size=placement.dp_size("critic"),
     )
 
 
 def validate_config(cfg: SkyRLConfig) -> None:
-    """Raise `ConfigError` for the first rule `cfg` breaks; every message names key, value and a fix."""
-    from skyrl.envs import resolve as resolve_env
-    from skyrl.train.algorithms import REDUCTIONS, get_advantage_estimator, get_policy_loss
-    from skyrl.train.algorithms.losses import KL_ESTIMATORS, OFF_POLICY_CORRECTIONS
-    from skyrl.train.generator.agent import load_agent
-    from skyrl.train.generator.base import load_generator_class
-    from skyrl.train.inference.config import validate_engine_config, validate_server_config
+    """Raise `ConfigError` for the first rule `cfg` breaks; every message names key, value and a fix.
+    Each section's own rules first, then the rules across sections."""
+    _check_models(cfg.trainer)
+    _check_trainer(cfg.trainer)
+    _check_algorithm(cfg.trainer.algorithm)
+    _check_generator(cfg.generator)
+    _check_data_and_environment(cfg)
+    _check_lora(cfg)
+    _check_across_sections(cfg)
+
+
+def _check_trainer(trainer: TrainerConfig) -> None:
+    """The `trainer` section's loop, checkpoints, logging and fault-tolerance settings (the models are
+    `_check_models`', `trainer.algorithm` `_check_algorithm`'s)."""
     from skyrl.train.utils.tracking import BACKENDS
 
-    t, a, g, d = cfg.trainer, cfg.trainer.algorithm, cfg.generator, cfg.data
-    _require(
-        bool(t.policy.model.path),
-        f"trainer.policy.model.path={t.policy.model.path!r} must name a model directory or HF hub name "
-        "(or tiny for the default tiny model), e.g. trainer.policy.model.path=tiny.",
-    )
+    placement = trainer.placement
     for key, value in [
-        ("trainer.update_epochs_per_batch", t.update_epochs_per_batch),
-        ("generator.max_turns", g.max_turns),
-        ("generator.max_generate_length", g.max_generate_length),
-        ("generator.max_input_length", g.max_input_length),
-        ("generator.env_workers", g.env_workers),
-        ("data.max_prompt_length", d.max_prompt_length),
-        ("trainer.placement.policy_num_nodes", t.placement.policy_num_nodes),
-        ("trainer.placement.policy_num_gpus_per_node", t.placement.policy_num_gpus_per_node),
+        ("trainer.update_epochs_per_batch", trainer.update_epochs_per_batch),
+        ("trainer.placement.policy_num_nodes", placement.policy_num_nodes),
+        ("trainer.placement.policy_num_gpus_per_node", placement.policy_num_gpus_per_node),
     ]:
         _require(value > 0, f"{key}={value} must be positive, e.g. {key}=1.")
     _require(
-        t.total_steps >= 0,
-        f"trainer.total_steps={t.total_steps} must be >= 0 (0 with trainer.eval_before_train=true only "
+        trainer.total_steps >= 0,
+        f"trainer.total_steps={trainer.total_steps} must be >= 0 (0 with trainer.eval_before_train=true only "
         "evaluates), e.g. trainer.total_steps=100.",
     )
     for key, value in [
-        ("trainer.eval_interval", t.eval_interval),
-        ("trainer.ckpt_interval", t.ckpt_interval),
-        ("trainer.hf_save_interval", t.hf_save_interval),
+        ("trainer.eval_interval", trainer.eval_interval),
+        ("trainer.ckpt_interval", trainer.ckpt_interval),
+        ("trainer.hf_save_interval", trainer.hf_save_interval),
     ]:
         _require(value >= 0, f"{key}={value} must be >= 0 (0 disables it), e.g. {key}=0.")
     _require(
-        g.max_input_length > d.max_prompt_length,
-        f"generator.max_input_length={g.max_input_length} must exceed data.max_prompt_length="
-        f"{d.max_prompt_length} so the first turn has room to generate, e.g. generator.max_input_length="
-        f"{d.max_prompt_length + 256}.",
+        trainer.resume_mode in ("latest", "none") or Path(trainer.resume_mode).is_dir(),
+        f"trainer.resume_mode={trainer.resume_mode!r} must be 'latest', 'none' or an existing checkpoint "
+        "directory.",
     )
-    validate_batch_sizes(batch_sizes(cfg))
+    unknown = [b for b in trainer.logger if b not in BACKENDS]
     _require(
-        t.max_tokens_per_micro_batch is None or t.max_tokens_per_micro_batch > 0,
-        f"trainer.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} must be positive (tokens per "
+        not unknown,
+        f"trainer.logger={list(trainer.logger)} has unknown backends {unknown}; choose from {list(BACKENDS)}.",
+    )
+    _require(
+        trainer.max_consecutive_skipped_steps >= 0,
+        f"trainer.max_consecutive_skipped_steps={trainer.max_consecutive_skipped_steps} must be >= 0 (0: stop "
+        "at the first non-finite step), e.g. 5.",
+    )
+    _require(
+        trainer.rpc_timeout_s > 0,
+        f"trainer.rpc_timeout_s={trainer.rpc_timeout_s} must be > 0 (seconds a worker call may take), e.g. 1800.",
+    )
+    _require(
+        trainer.max_restarts >= 0,
+        f"trainer.max_restarts={trainer.max_restarts} must be >= 0 (0: a dead worker ends the run), e.g. 3.",
+    )
+    _require(
+        trainer.preemption_grace_s >= 0,
+        f"trainer.preemption_grace_s={trainer.preemption_grace_s} must be >= 0 (seconds a signalled run waits "
+        "for its step to end; 0: stop at once), e.g. 15.",
+    )
+    staleness = trainer.async_training.max_staleness
+    _require(
+        staleness >= 0,
+        f"trainer.async_training.max_staleness={staleness} must be >= 0 (0: the synchronous loop), e.g. 1.",
+    )
+
+
+def _check_models(trainer: TrainerConfig) -> None:
+    """What the workers compute with: the policy's model, micro-batches, attention, the optimizers."""
+    _require(
+        bool(trainer.policy.model.path),
+        f"trainer.policy.model.path={trainer.policy.model.path!r} must name a model directory or HF hub name "
+        "(or tiny for the default tiny model), e.g. trainer.policy.model.path=tiny.",
+    )
+    budget = trainer.max_tokens_per_micro_batch
+    _require(
+        budget is None or budget > 0,
+        f"trainer.max_tokens_per_micro_batch={budget} must be positive (tokens per "
         "micro-batch), e.g. trainer.max_tokens_per_micro_batch=8192, or null for fixed-size micro-batches.",
     )
     _require(
-        t.logprob_chunk_tokens > 0,
-        f"trainer.logprob_chunk_tokens={t.logprob_chunk_tokens} must be positive, e.g. 1024.",
+        trainer.logprob_chunk_tokens > 0,
+        f"trainer.logprob_chunk_tokens={trainer.logprob_chunk_tokens} must be positive, e.g. 1024.",
     )
     for role in ROLES:
-        implementation = getattr(t, role).model.attn_implementation
+        implementation = getattr(trainer, role).model.attn_implementation
         _require(
             implementation in ATTN_IMPLEMENTATIONS,
             f"trainer.{role}.model.attn_implementation={implementation!r} is not one of "
             f"{list(ATTN_IMPLEMENTATIONS)}; sdpa works everywhere, varlen packs sequences without padding.",
         )
-    _known("trainer.algorithm.advantage_estimator", a.advantage_estimator, get_advantage_estimator)
-    _known("trainer.algorithm.policy_loss", a.policy_loss, get_policy_loss)
-    _require(
-        a.loss_reduction in REDUCTIONS,
-        f"trainer.algorithm.loss_reduction={a.loss_reduction!r} is not one of {list(REDUCTIONS)}.",
-    )
-    _require(
-        a.loss_reduction != "seq_mean_token_sum_norm" or (a.max_seq_len or 0) > 0,
-        "trainer.algorithm.loss_reduction=seq_mean_token_sum_norm needs trainer.algorithm.max_seq_len "
-        f"(got {a.max_seq_len}), e.g. trainer.algorithm.max_seq_len={g.max_input_length}.",
-    )
-    _require(
-        a.off_policy_correction in OFF_POLICY_CORRECTIONS,
-        f"trainer.algorithm.off_policy_correction={a.off_policy_correction!r} is not one of "
-        f"{list(OFF_POLICY_CORRECTIONS)}.",
-    )
-    _require(
-        a.tis_cap > 0 and 0 <= a.mis_low < 1 < a.mis_high,
-        f"trainer.algorithm.tis_cap={a.tis_cap}, mis_low={a.mis_low}, mis_high={a.mis_high}: need tis_cap > 0 "
-        "and mis_low < 1 < mis_high, e.g. tis_cap=2, mis_low=0.5, mis_high=2.",
-    )
-    _require(
-        a.kl_estimator in KL_ESTIMATORS,
-        f"trainer.algorithm.kl_estimator={a.kl_estimator!r} is not one of {list(KL_ESTIMATORS)}.",
-    )
-    _require(
-        a.kl_ctrl.type in ("fixed", "adaptive"),
-        f"trainer.algorithm.kl_ctrl.type={a.kl_ctrl.type!r} is not 'fixed' or 'adaptive'.",
-    )
-    _require(
-        a.dynamic_sampling in (None, "filter"),
-        f"trainer.algorithm.dynamic_sampling={a.dynamic_sampling!r} must be null or 'filter'.",
-    )
-    _require(
-        a.max_sample_batches >= 1,
-        f"trainer.algorithm.max_sample_batches={a.max_sample_batches} must be >= 1, e.g. 4.",
-    )
-    _require(
-        a.eps_clip_low >= 0 and a.eps_clip_high >= 0,
-        f"trainer.algorithm.eps_clip_low={a.eps_clip_low} / eps_clip_high={a.eps_clip_high} must be >= 0, "
-        "e.g. 0.2 / 0.28.",
-    )
-    _require(
-        a.advantage_estimator not in ("grpo", "rloo") or g.n_samples_per_prompt >= 2,
-        f"trainer.algorithm.advantage_estimator={a.advantage_estimator} compares the samples of a prompt, "
-        f"but generator.n_samples_per_prompt={g.n_samples_per_prompt}; use at least 2, e.g. 8.",
-    )
     for key, opt in [
-        ("trainer.policy.optimizer", t.policy.optimizer),
-        ("trainer.critic.optimizer", t.critic.optimizer),
+        ("trainer.policy.optimizer", trainer.policy.optimizer),
+        ("trainer.critic.optimizer", trainer.critic.optimizer),
     ]:
         _require(opt.lr > 0, f"{key}.lr={opt.lr} must be positive, e.g. {key}.lr=1e-6.")
         _require(
             opt.scheduler in ("constant", "cosine"),
             f"{key}.scheduler={opt.scheduler!r} is not 'constant' or 'cosine'.",
         )
+
+
+def _check_algorithm(algorithm: AlgorithmConfig) -> None:
+    """`trainer.algorithm`: estimator, loss and reduction, off-policy correction, KL, dynamic sampling."""
+    from skyrl.train.algorithms import REDUCTIONS, get_advantage_estimator, get_policy_loss
+    from skyrl.train.algorithms.losses import KL_ESTIMATORS, OFF_POLICY_CORRECTIONS
+
+    key = "trainer.algorithm"
+    _known(f"{key}.advantage_estimator", algorithm.advantage_estimator, get_advantage_estimator)
+    _known(f"{key}.policy_loss", algorithm.policy_loss, get_policy_loss)
     _require(
-        t.resume_mode in ("latest", "none") or Path(t.resume_mode).is_dir(),
-        f"trainer.resume_mode={t.resume_mode!r} must be 'latest', 'none' or an existing checkpoint directory.",
+        algorithm.loss_reduction in REDUCTIONS,
+        f"{key}.loss_reduction={algorithm.loss_reduction!r} is not one of {list(REDUCTIONS)}.",
     )
-    unknown = [b for b in t.logger if b not in BACKENDS]
     _require(
-        not unknown,
-        f"trainer.logger={list(t.logger)} has unknown backends {unknown}; choose from {list(BACKENDS)}.",
+        algorithm.off_policy_correction in OFF_POLICY_CORRECTIONS,
+        f"{key}.off_policy_correction={algorithm.off_policy_correction!r} is not one of "
+        f"{list(OFF_POLICY_CORRECTIONS)}.",
     )
-    for key, s in [("generator.sampling", g.sampling), ("generator.eval_sampling", g.eval_sampling)]:
+    tis_cap, mis_low, mis_high = algorithm.tis_cap, algorithm.mis_low, algorithm.mis_high
+    _require(
+        tis_cap > 0 and 0 <= mis_low < 1 < mis_high,
+        f"{key}.tis_cap={tis_cap}, mis_low={mis_low}, mis_high={mis_high}: need tis_cap > 0 "
+        "and mis_low < 1 < mis_high, e.g. tis_cap=2, mis_low=0.5, mis_high=2.",
+    )
+    _require(
+        algorithm.kl_estimator in KL_ESTIMATORS,
+        f"{key}.kl_estimator={algorithm.kl_estimator!r} is not one of {list(KL_ESTIMATORS)}.",
+    )
+    _require(
+        algorithm.kl_ctrl.type in ("fixed", "adaptive"),
+        f"{key}.kl_ctrl.type={algorithm.kl_ctrl.type!r} is not 'fixed' or 'adaptive'.",
+    )
+    _require(
+        algorithm.dynamic_sampling in (None, "filter"),
+        f"{key}.dynamic_sampling={algorithm.dynamic_sampling!r} must be null or 'filter'.",
+    )
+    _require(
+        algorithm.max_sample_batches >= 1,
+        f"{key}.max_sample_batches={algorithm.max_sample_batches} must be >= 1, e.g. 4.",
+    )
+    _require(
+        algorithm.eps_clip_low >= 0 and algorithm.eps_clip_high >= 0,
+        f"{key}.eps_clip_low={algorithm.eps_clip_low} / eps_clip_high={algorithm.eps_clip_high} must be >= 0, "
+        "e.g. 0.2 / 0.28.",
+    )
+
+
+def _check_generator(generator: GeneratorConfig) -> None:
+    """`generator`: lengths, sampling, environment failures, engines, the endpoint, who runs the episodes."""
+    from skyrl.train.inference.config import validate_engine_config, validate_server_config
+
+    for key, value in [
+        ("generator.max_turns", generator.max_turns),
+        ("generator.max_generate_length", generator.max_generate_length),
+        ("generator.max_input_length", generator.max_input_length),
+        ("generator.env_workers", generator.env_workers),
+    ]:
+        _require(value > 0, f"{key}={value} must be positive, e.g. {key}=1.")
+    for key, s in [
+        ("generator.sampling", generator.sampling),
+        ("generator.eval_sampling", generator.eval_sampling),
+    ]:
         _require(
             s.temperature >= 0, f"{key}.temperature={s.temperature} must be >= 0 (0 is greedy), e.g. 1.0."
         )
         _require(0 < s.top_p <= 1, f"{key}.top_p={s.top_p} must be in (0, 1], e.g. 1.0.")
     _require(
-        0 <= g.max_env_failure_fraction <= 1,
-        f"generator.max_env_failure_fraction={g.max_env_failure_fraction} must be in [0, 1], e.g. 0.5.",
+        0 <= generator.max_env_failure_fraction <= 1,
+        f"generator.max_env_failure_fraction={generator.max_env_failure_fraction} must be in [0, 1], e.g. 0.5.",
     )
     _require(
-        g.env_failure in ENV_FAILURE_MODES,
-        f"generator.env_failure={g.env_failure!r} is not one of {list(ENV_FAILURE_MODES)}: mask leaves an "
-        "episode whose environment raised out of the loss, zero_reward trains on it with reward 0.",
+        generator.env_failure in ENV_FAILURE_MODES,
+        f"generator.env_failure={generator.env_failure!r} is not one of {list(ENV_FAILURE_MODES)}: mask leaves "
+        "an episode whose environment raised out of the loss, zero_reward trains on it with reward 0.",
     )
     _require(
-        g.env_executor in ENV_EXECUTORS,
-        f"generator.env_executor={g.env_executor!r} is not one of {list(ENV_EXECUTORS)}: thread runs "
+        generator.env_executor in ENV_EXECUTORS,
+        f"generator.env_executor={generator.env_executor!r} is not one of {list(ENV_EXECUTORS)}: thread runs "
         "environments in threads of the driver, process in worker processes that an env's crash or hang "
         "cannot take down.",
     )
-    _known("environment.env_class", cfg.environment.env_class, resolve_env)
+    validate_engine_config(generator.inference_engine)
+    validate_server_config(generator.http_endpoint)
     _require(
-        cfg.environment.timeout_s > 0,
-        f"environment.timeout_s={cfg.environment.timeout_s} must be > 0 (seconds per env call), e.g. 600.",
+        generator.max_engine_restarts >= 0,
+        f"generator.max_engine_restarts={generator.max_engine_restarts} must be >= 0 (0: a dead engine ends "
+        "the run), e.g. 3.",
     )
-    env = cfg.environment
+    _check_episode_runner(generator)
+
+
+def _check_episode_runner(generator: GeneratorConfig) -> None:
+    """Who runs the episodes: the env-based rollout manager, `generator.agent` or `generator.generator_class`."""
+    from skyrl.train.generator.agent import load_agent
+    from skyrl.train.generator.base import load_generator_class
+
+    agent, generator_class = generator.agent, generator.generator_class
+    _require(
+        agent is None or generator_class is None,
+        f"generator.agent={agent!r} and generator.generator_class={generator_class!r} both name who runs "
+        "the episodes; set one of them (or neither, for the env-based rollout manager).",
+    )
+    if agent is not None:
+        load_agent(agent)
+        _require(
+            generator.agent_timeout_s > 0,
+            f"generator.agent_timeout_s={generator.agent_timeout_s} must be > 0 (seconds per episode), e.g. 600.",
+        )
+        _require(
+            generator.step_wise,
+            f"generator.agent={agent!r} with generator.step_wise=false: an agent may re-render or rewrite "
+            "its history, so its requests need not extend each other and train one sequence each; set "
+            "generator.step_wise=true.",
+        )
+    if generator_class is not None:
+        load_generator_class(generator_class)
+
+
+def _check_data_and_environment(cfg: SkyRLConfig) -> None:
+    """`data` and `environment`: the prompt length, the dataset files, the environment class and its actions."""
+    from skyrl.envs import resolve as resolve_env
+
+    data, env = cfg.data, cfg.environment
+    _require(
+        data.max_prompt_length > 0,
+        f"data.max_prompt_length={data.max_prompt_length} must be positive, e.g. data.max_prompt_length=1.",
+    )
+    _known("environment.env_class", env.env_class, resolve_env)
+    _require(
+        env.timeout_s > 0,
+        f"environment.timeout_s={env.timeout_s} must be > 0 (seconds per env call), e.g. 600.",
+    )
     action_space = (env.config.get(env.env_class) or {}).get("allowed_tokens")
     _require(
         action_space is None or (isinstance(action_space, list) and len(action_space) > 0),
         f"environment.config.{env.env_class}.allowed_tokens={action_space!r} must be a non-empty list of "
         'tokens, e.g. ["1", "2", "3"], or null (no restriction).',
     )
-    for key, path in [("data.train_path", d.train_path), ("data.eval_path", d.eval_path)]:
+    for key, path in [("data.train_path", data.train_path), ("data.eval_path", data.eval_path)]:
         local = path is not None and Path(path).suffix in (".parquet", ".jsonl", ".json")
         _require(not local or Path(path).exists(), f"{key}={path!r} does not exist; give an existing file.")
-    validate_engine_config(g.inference_engine)
-    validate_server_config(g.http_endpoint)
-    _validate_lora(cfg)
+
+
+def _check_across_sections(cfg: SkyRLConfig) -> None:
+    """Rules that tie sections together: lengths, samples per prompt, batch sizes, placement, asynchrony."""
+    trainer, algorithm, generator = cfg.trainer, cfg.trainer.algorithm, cfg.generator
+    engine, placement = generator.inference_engine, trainer.placement
+    prompt_length = cfg.data.max_prompt_length
     _require(
-        g.max_engine_restarts >= 0,
-        f"generator.max_engine_restarts={g.max_engine_restarts} must be >= 0 (0: a dead engine ends the run), e.g. 3.",
+        generator.max_input_length > prompt_length,
+        f"generator.max_input_length={generator.max_input_length} must exceed data.max_prompt_length="
+        f"{prompt_length} so the first turn has room to generate, e.g. generator.max_input_length="
+        f"{prompt_length + 256}.",
     )
     _require(
-        g.agent is None or g.generator_class is None,
-        f"generator.agent={g.agent!r} and generator.generator_class={g.generator_class!r} both name who runs "
-        "the episodes; set one of them (or neither, for the env-based rollout manager).",
+        algorithm.loss_reduction != "seq_mean_token_sum_norm" or (algorithm.max_seq_len or 0) > 0,
+        "trainer.algorithm.loss_reduction=seq_mean_token_sum_norm needs trainer.algorithm.max_seq_len "
+        f"(got {algorithm.max_seq_len}), e.g. trainer.algorithm.max_seq_len={generator.max_input_length}.",
     )
-    if g.agent is not None:
-        load_agent(g.agent)
+    _require(
+        algorithm.advantage_estimator not in ("grpo", "rloo") or generator.n_samples_per_prompt >= 2,
+        f"trainer.algorithm.advantage_estimator={algorithm.advantage_estimator} compares the samples of a "
+        f"prompt, but generator.n_samples_per_prompt={generator.n_samples_per_prompt}; use at least 2, e.g. 8.",
+    )
+    validate_batch_sizes(batch_sizes(cfg))
+    if placement.colocate_all:
+        bundles = placement.dp_size("policy")
         _require(
-            g.agent_timeout_s > 0,
-            f"generator.agent_timeout_s={g.agent_timeout_s} must be > 0 (seconds per episode), e.g. 600.",
-        )
-        _require(
-            g.step_wise,
-            f"generator.agent={g.agent!r} with generator.step_wise=false: an agent may re-render or rewrite "
-            "its history, so its requests need not extend each other and train one sequence each; set "
-            "generator.step_wise=true.",
-        )
-    if g.generator_class is not None:
-        load_generator_class(g.generator_class)
-    e, p = g.inference_engine, t.placement
-    if p.colocate_all:
-        bundles = p.dp_size("policy")
-        _require(
-            e.tensor_parallel_size == 1,
-            f"generator.inference_engine.tensor_parallel_size={e.tensor_parallel_size} with "
+            engine.tensor_parallel_size == 1,
+            f"generator.inference_engine.tensor_parallel_size={engine.tensor_parallel_size} with "
             "trainer.placement.colocate_all=true: a colocated engine shares one bundle with one policy rank; "
             "use tensor_parallel_size=1 or placement=disaggregated.",
         )
         _require(
-            e.num_engines <= bundles,
-            f"generator.inference_engine.num_engines={e.num_engines} exceeds the {bundles} policy bundles "
+            engine.num_engines <= bundles,
+            f"generator.inference_engine.num_engines={engine.num_engines} exceeds the {bundles} policy bundles "
             "the colocated engines share (trainer.placement.policy_num_nodes x policy_num_gpus_per_node); "
             f"use num_engines<={bundles} or placement=disaggregated.",
         )
+    staleness = trainer.async_training.max_staleness
     _require(
-        t.max_consecutive_skipped_steps >= 0,
-        f"trainer.max_consecutive_skipped_steps={t.max_consecutive_skipped_steps} must be >= 0 (0: stop at the "
-        "first non-finite step), e.g. 5.",
-    )
-    _require(
-        t.rpc_timeout_s > 0,
-        f"trainer.rpc_timeout_s={t.rpc_timeout_s} must be > 0 (seconds a worker call may take), e.g. 1800.",
-    )
-    _require(
-        t.max_restarts >= 0,
-        f"trainer.max_restarts={t.max_restarts} must be >= 0 (0: a dead worker ends the run), e.g. 3.",
-    )
-    _require(
-        t.preemption_grace_s >= 0,
-        f"trainer.preemption_grace_s={t.preemption_grace_s} must be >= 0 (seconds a signalled run waits for "
-        "its step to end; 0: stop at once), e.g. 15.",
-    )
-    staleness = t.async_training.max_staleness
-    _require(
-        staleness >= 0,
-        f"trainer.async_training.max_staleness={staleness} must be >= 0 (0: the synchronous loop), e.g. 1.",
-    )
-    _require(
-        staleness == 0 or not p.colocate_all,
+        staleness == 0 or not placement.colocate_all,
         f"trainer.async_training.max_staleness={staleness} generates while the workers train, so the "
         "engines need devices of their own, but trainer.placement.colocate_all=true; use "
         "placement=disaggregated (or max_staleness=0).",
     )
     _require(
-        staleness >= 1 or not g.inflight_weight_updates,
+        staleness >= 1 or not generator.inflight_weight_updates,
         "generator.inflight_weight_updates=true lands weight syncs in episodes in progress, but "
         "trainer.async_training.max_staleness=0 (the synchronous loop) syncs when none is; set "
         "trainer.async_training.max_staleness=1, or inflight_weight_updates=false.",
     )
     _require(
-        e.weight_sync != "ipc" or p.colocate_all,
+        engine.weight_sync != "ipc" or placement.colocate_all,
         "generator.inference_engine.weight_sync=ipc with trainer.placement.colocate_all=false: shared-memory "
         "sync needs each engine on its policy rank's node and GPU; use placement=colocated, or "
         "weight_sync=broadcast (or auto) for disaggregated engines.",
@@ -410,11 +478,11 @@ def validate_config(cfg: SkyRLConfig) -> None:
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
-def _validate_lora(cfg: SkyRLConfig) -> None:
+def _check_lora(cfg: SkyRLConfig) -> None:
     """The LoRA settings of the trained models, the adapter sync and the merged export."""
-    t, e = cfg.trainer, cfg.generator.inference_engine
+    trainer, engine = cfg.trainer, cfg.generator.inference_engine
     for role in ("policy", "critic"):
-        key, lora = f"trainer.{role}.lora", getattr(t, role).lora
+        key, lora = f"trainer.{role}.lora", getattr(trainer, role).lora
         _require(lora.rank >= 0, f"{key}.rank={lora.rank} must be >= 0 (0 trains every parameter), e.g. 16.")
         if lora.rank:
             _require(lora.alpha > 0, f"{key}.alpha={lora.alpha} must be positive, e.g. {2 * lora.rank}.")
@@ -423,30 +491,30 @@ def _validate_lora(cfg: SkyRLConfig) -> None:
                 bool(lora.target_modules),
                 f"{key}.target_modules is empty; name the linear layers to adapt, e.g. [q_proj,v_proj].",
             )
-    k, rank = "generator.inference_engine", t.policy.lora.rank
-    if e.lora_sync == "adapter":
+    k, rank = "generator.inference_engine", trainer.policy.lora.rank
+    if engine.lora_sync == "adapter":
         _require(
             rank > 0,
             f"{k}.lora_sync=adapter sends LoRA adapters, but trainer.policy.lora.rank=0 (full fine-tuning); "
             "set trainer.policy.lora.rank (e.g. 16) or lora_sync=merged.",
         )
         _require(
-            e.weight_sync in ("auto", "object_store"),
+            engine.weight_sync in ("auto", "object_store"),
             f"{k}.lora_sync=adapter sends the adapters through the object store, so {k}.weight_sync="
-            f"{e.weight_sync} would not apply; set {k}.weight_sync=auto, or lora_sync=merged.",
+            f"{engine.weight_sync} would not apply; set {k}.weight_sync=auto, or lora_sync=merged.",
         )
         _require(
-            not t.policy.lora.modules_to_save,
+            not trainer.policy.lora.modules_to_save,
             f"{k}.lora_sync=adapter sends LoRA adapters only, but trainer.policy.lora.modules_to_save="
-            f"{list(t.policy.lora.modules_to_save)} train in full; use lora_sync=merged, or modules_to_save=[].",
+            f"{list(trainer.policy.lora.modules_to_save)} train in full; use lora_sync=merged, or modules_to_save=[].",
         )
         _require(
-            e.max_lora_rank is None or e.max_lora_rank >= rank,
-            f"{k}.max_lora_rank={e.max_lora_rank} is below trainer.policy.lora.rank={rank}; set it to null "
+            engine.max_lora_rank is None or engine.max_lora_rank >= rank,
+            f"{k}.max_lora_rank={engine.max_lora_rank} is below trainer.policy.lora.rank={rank}; set it to null "
             "(the policy's rank) or higher.",
         )
     _require(
-        not t.export_merged or rank > 0,
+        not trainer.export_merged or rank > 0,
         "trainer.export_merged=true writes the merged model of a LoRA policy, but trainer.policy.lora.rank=0 "
         "(its exports are the full model already); set trainer.policy.lora.rank or export_merged=false.",
     )

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import random
 import time
-from collections.abc import Awaitable, Coroutine, Iterator
+from collections.abc import Awaitable, Iterator
 from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
@@ -28,37 +27,20 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tqdm import tqdm
 
-from skyrl.train.algorithms import (
-    AdaptiveKLController,
-    FixedKLController,
-    apply_kl_penalty_to_rewards,
-    compute_stepwise_advantages,
-    get_advantage_estimator,
-    kl_penalty,
-    masked_mean,
-    off_policy_correction,
-)
 from skyrl.train.checkpoints import Checkpoints
-from skyrl.train.dataset.preprocess import (
-    collate_sequences,
-    compute_prompt_mini_batch_boundaries,
-    layout_metrics,
-    mask_groups,
-    prefix_groups,
-    trajectories_to_sequences,
-)
 from skyrl.train.dataset.prompt_dataset import PromptDataset, PromptLoader
-from skyrl.train.generator.base import build_generator, generate_checked
-from skyrl.train.generator.rollout import Episode, allowed_token_ids, rollout_metrics
-from skyrl.train.generator.stream import RolloutStream, episode_staleness
+from skyrl.train.engines import Engines
+from skyrl.train.generator.base import build_generator
+from skyrl.train.generator.rollout import allowed_token_ids
 from skyrl.train.inference import InferenceEngineClient, InferenceEngineConfig
 from skyrl.train.inference.client import resolve_engine_config
 from skyrl.train.inference.config import check_action_space
 from skyrl.train.inference.openai_server import OpenAIServer
 from skyrl.train.inference.weight_sync import WeightSyncGroup
+from skyrl.train.ppo_update import PPOUpdate, WorkerGroups
+from skyrl.train.sampler import Sampler
 from skyrl.train.schema import SkyRLConfig
-from skyrl.train.training_batch import TrainingInputBatch
-from skyrl.train.utils.background_loop import BackgroundLoop
+from skyrl.train.step_batch import StepBatch
 from skyrl.train.utils.errors import ConfigError
 from skyrl.train.utils.preemption import Preemption
 from skyrl.train.utils.seqlen_balancing import attention_cost_weight
@@ -70,12 +52,9 @@ from skyrl.train.workers.actor_group import (
     pin_to_cores,
     unpin_driver,
 )
-from skyrl.train.workers.dispatch import MeshDispatch, StagedMiniBatch
 from skyrl.train.workers.fsdp_worker import CriticWorker, FSDPWorker, PolicyWorker, RefWorker
 
 logger = logging.getLogger(__name__)
-ENDPOINT_FILE = "http_endpoint.json"  # the HTTP endpoint's base_url, model and whether it needs a key
-TIED_STEPS_WARNING = 5  # warn after this many steps without a group that has reward variance
 # what every forward pass reads (prefix_group: which rows are computed as one sequence)
 FORWARD_FIELDS = ["sequences", "attention_mask", "response_mask", "prefix_group"]
 
@@ -100,10 +79,6 @@ class Trainer:
         self.weight_version = 0
         self._engine_dtype: str | None = None  # the engines' weight dtype, asked at the first sync
         self.sync_bytes = 0.0  # what one sync sends each engine (`_sync_dtype`)
-        self._staged: dict[tuple, list[StagedMiniBatch]] = {}  # this step's staged mini-batches
-        self._dispatch_bytes = 0
-        self._tied_steps = 0  # consecutive steps in which every group's rewards tied
-        self._skipped_in_a_row = {"policy": 0, "critic": 0}  # optimizer steps skipped (non-finite), in a row
         self._placement_groups: list[Any] = []
         random.seed(t.seed)
         np.random.seed(t.seed)
@@ -114,8 +89,7 @@ class Trainer:
         # balance_dp balances by attention-aware workload, with the policy model's width
         self.cost_weight = attention_cost_weight(AutoConfig.from_pretrained(model_path).hidden_size)
         self.allowed_token_ids = allowed_token_ids(self.tokenizer, cfg.environment)
-        train_set, self.eval_set = datasets
-        self.loader = PromptLoader(train_set, t.train_batch_size, seed=t.seed, shuffle=cfg.data.shuffle)
+        train_set, eval_set = datasets
         self.use_critic = t.algorithm.advantage_estimator == "gae"
         use_ref = t.algorithm.use_kl_loss or t.algorithm.use_kl_in_reward
         self.lora_sync = cfg.generator.inference_engine.lora_sync if t.policy.lora.rank else None
@@ -124,40 +98,34 @@ class Trainer:
             use_ref and bool(t.policy.lora.rank) and t.ref.model.path in (None, t.policy.model.path)
         )
         self.use_ref = use_ref and not self.ref_from_policy  # a reference worker of its own
-        kl = t.algorithm.kl_ctrl
-        self.kl_ctrl = (
-            AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon)
-            if kl.type == "adaptive"
-            else FixedKLController(kl.kl_coef)
-        )
         self.colocated = t.placement.colocate_all
         self._build_placement_groups()
         # on GPUs colocated engines size their memory by what the loaded workers left free: they start
         # after them; otherwise engines and workers start (import, load) at the same time
         engines_first = not (self.colocated and self._engine_resources["num_gpus"])
         if engines_first:
-            self.client = self._start_engines()
+            client = self._start_engines()
         try:
-            self._start_workers()
+            self.groups = self._start_workers()
         except BaseException:
             if engines_first:
-                self.client.shutdown()
+                client.shutdown()
             raise
+        self.update = PPOUpdate(cfg, self.groups)
         if not engines_first:
-            self.client = self._start_engines()
-        self.client.wait_until_serving()
+            client = self._start_engines()
+        client.wait_until_serving()
+        self.engines = Engines(client)
         self._driver_cores: list[int] | None = None
         self._pin_to_cores()
-        self._loop: BackgroundLoop | None = None  # once there is one, every engine-client call runs on it
         self.weight_sync = self._init_weight_sync()
-        self.stream: RolloutStream | None = None  # max_staleness >= 1: started by the first step
-        self.server: OpenAIServer | None = None
         if cfg.generator.http_endpoint.enabled or cfg.generator.agent:  # an agent talks to the endpoint
-            self._serve()
+            self.engines.serve(cfg.generator.http_endpoint, self.model_path, self.run_dir)
         self.rollout = build_generator(
             self.client, self.tokenizer, cfg.generator, cfg.environment, self.server
         )
-        self._loader_state = self.loader.state_dict()  # after the last batch of prompts a step took
+        loader = PromptLoader(train_set, t.train_batch_size, seed=t.seed, shuffle=cfg.data.shuffle)
+        self.sampler = Sampler(cfg, loader, eval_set, self.rollout, self.engines)
         self._train_ended: float | None = None  # when the last step's training ended
         self.tracker = Tracker(
             t.logger, self.run_dir, t.project_name, t.run_name or self.run_dir.name, asdict(cfg)
@@ -193,7 +161,7 @@ class Trainer:
         roles = ["policy"] + ["ref"] * self.use_ref + ["critic"] * self.use_critic
         self._worker_pgs = {role: self._shared_pg or bundles(role) for role in roles}
 
-    def _start_workers(self) -> None:
+    def _start_workers(self) -> WorkerGroups:
         """The policy, ref and critic `ActorGroup`s over the `trainer` section, `placement.dp_size(role)`
         ranks each, on the placement groups of `_build_placement_groups`; the groups start at once."""
         t = self.cfg.trainer
@@ -219,17 +187,41 @@ class Trainer:
                 **sampled_from,
             )
 
-        self.policy = group(PolicyWorker, None)
-        self.ref = group(RefWorker, t.ref.model.path) if self.use_ref else None
-        self.critic = group(CriticWorker, t.critic.model.path) if self.use_critic else None
-        groups = [g for g in (self.policy, self.ref, self.critic) if g is not None]
+        groups = WorkerGroups(
+            group(PolicyWorker, None),
+            group(RefWorker, t.ref.model.path) if self.use_ref else None,
+            group(CriticWorker, t.critic.model.path) if self.use_critic else None,
+            self.ref_from_policy,
+        )
         try:
-            for g in groups:
+            for g in groups.all():
                 g.wait_until_ready()
         except BaseException:
-            for g in groups:
+            for g in groups.all():
                 g.kill()
             raise
+        return groups
+
+    @property
+    def client(self) -> InferenceEngineClient:
+        return self.engines.client
+
+    @property
+    def server(self) -> OpenAIServer | None:
+        """The HTTP endpoint over the engines, when one serves."""
+        return self.engines.server
+
+    @property
+    def policy(self) -> ActorGroup:
+        return self.groups.policy
+
+    @property
+    def ref(self) -> ActorGroup | None:
+        return self.groups.ref
+
+    @property
+    def critic(self) -> ActorGroup | None:
+        return self.groups.critic
 
     def _start_engines(self) -> InferenceEngineClient:
         """The inference engines; colocated, engine i takes a fraction of the policy's bundle i and sleeps
@@ -301,7 +293,7 @@ class Trainer:
         if mode != "object_store":
             self.client.weight_restorer = self._resend_weights
         if mode == "broadcast":
-            self._await(self._join_sync_group())
+            self.engines.run(self._join_sync_group())
         return mode
 
     async def _join_sync_group(self) -> None:
@@ -328,33 +320,36 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         timings: dict[str, float] = {}
         start = time.perf_counter()
-        engine_busy = self.stream.busy.seconds() if self.stream else 0.0
+        stream = self.sampler.stream
+        engine_busy = stream.busy.seconds() if stream else 0.0
         with _timer(timings, "generate"):
-            episodes, excluded_uids, gen_metrics = self.generate()
+            episodes, excluded_uids, gen_metrics = self.sampler.generate(
+                self.step, self.weight_version, self._train_ended
+            )
+        stream = self.sampler.stream  # started by the first step's generate
         if self.colocated:  # the engines hand the accelerator to the workers (a no-op on CPU)
-            sleep = partial(self.client.sleep)
             # the endpoint holds requests until the weight sync after training has woken the engines
-            self._await(self._paused(sleep, resume=False) if self.server else sleep())
-        self._staged, self._dispatch_bytes = {}, 0
+            self.engines.run(self.engines.paused(self.client.sleep, resume=False))
         with _timer(timings, "batch"):
-            batch = self.make_batch(episodes, excluded_uids)
-            policy_bounds = self._bounds(batch, self.cfg.trainer.policy_mini_batch_size)
+            step = StepBatch.from_episodes(
+                episodes, excluded_uids, self.cfg, self.tokenizer.pad_token_id, self.cost_weight
+            )
         with _timer(timings, "forward"):
-            self.forward(batch)
+            self.update.forward(step)
         with _timer(timings, "advantages"):
-            adv_metrics = self.compute_advantages(batch)
+            adv_metrics = self.update.compute_advantages(step.rows)
         with _timer(timings, "train"):
-            train_metrics = self.train(batch)
+            train_metrics = self.update.train(step)
         self._train_ended = time.perf_counter()
-        self._staged = {}  # the object store frees them once no ref is left
+        step.release()
         with _timer(timings, "sync"):
             if self.colocated:
-                self._await(self.client.wake_up())
+                self.engines.run(self.client.wake_up())
             self.sync_weights()
         self.step += 1
         window = time.perf_counter() - start
         # engines: generating; workers: computing logprobs or training (sync and the driver's work aside)
-        engine_busy = self.stream.busy.seconds() - engine_busy if self.stream else timings["generate"]
+        engine_busy = stream.busy.seconds() - engine_busy if stream else timings["generate"]
         idle = {"engines": window - engine_busy, "workers": window - timings["forward"] - timings["train"]}
         return {
             **gen_metrics,
@@ -363,278 +358,12 @@ class Trainer:
             **adv_metrics,
             **train_metrics,
             **{f"timing/{k}_s": v for k, v in timings.items()},
-            "perf/tokens_per_s": float(batch["attention_mask"].sum()) / sum(timings.values()),
-            "batch/sequences": float(len(batch)),
-            "batch/pad_fraction": pad_fraction(policy_bounds, self.policy.num_workers),
-            "dispatch/object_store_bytes": float(self._dispatch_bytes),
+            "perf/tokens_per_s": float(step.rows["attention_mask"].sum()) / sum(timings.values()),
+            **step.metrics(self.policy.num_workers),
             "engine/restarts": float(self.client.restarts),
             "sync/bytes_per_engine": float(self.sync_bytes),
             "trainer/worker_restarts": float(self.worker_restarts),
-            **layout_metrics(
-                batch["prefix_group"], batch["attention_mask"], batch.metadata["trajectory_ids"]
-            ),
         }
-
-    def generate(self) -> tuple[list[Episode], set[str], dict[str, float]]:
-        """Episodes for one batch of prompts, the uids of the groups to leave out of the loss, and metrics.
-
-        With dynamic sampling, groups whose episodes all scored the same are set aside and more prompts
-        are drawn (at most `max_sample_batches` draws); if the batch is still short, set-aside groups
-        fill it and are left out of the loss. `zero_variance_filter` leaves out every such group. Both
-        decide per episode, on its total environment reward (before any KL penalty). `reward/*` and
-        `episode/*` describe the trained batch; figures over every draw go under `dynamic_sampling/`.
-        With a stream, `async/*` gives the trained episodes' staleness, the episodes dropped for
-        exceeding it and how long before the previous step's training ended their generation began.
-        """
-        a, t = self.cfg.trainer.algorithm, self.cfg.trainer
-        n = self.cfg.generator.n_samples_per_prompt
-        filter_groups = a.dynamic_sampling == "filter"
-        kept: list[list[Episode]] = []
-        set_aside: list[list[Episode]] = []
-        drawn: list[Episode] = []
-        seconds, dropped, started = 0.0, 0, []
-        for draw in range(a.max_sample_batches if filter_groups else 1):
-            begin = time.perf_counter()
-            if t.async_training.max_staleness == 0:
-                prompts = self.loader.next_batch()
-                uids = [f"s{self.step}d{draw}p{i}" for i in range(len(prompts))]
-                out = self._await(generate_checked(self.rollout, prompts, uids, n)).episodes
-                self._loader_state = self.loader.state_dict()
-            else:
-                taken = self._stream().take(self.weight_version)
-                out, self._loader_state = taken.episodes, taken.loader_state
-                dropped += taken.dropped
-                started.append(taken.started)
-            seconds += time.perf_counter() - begin
-            drawn += out
-            for i in range(0, len(out), n):
-                group = out[i : i + n]
-                (set_aside if filter_groups and rewards_tie(group) else kept).append(group)
-            if len(kept) >= t.train_batch_size:
-                break
-        groups = (kept + set_aside)[: t.train_batch_size]
-        episodes = [e for g in groups for e in g]
-        self._tied_steps = self._tied_steps + 1 if all(rewards_tie(g) for g in groups) else 0
-        for warning in (
-            tied_rewards_warning(self._tied_steps),
-            env_failure_warning(self.step + 1, drawn, self.cfg.generator.env_failure),
-        ):
-            if warning:
-                logger.warning(warning)
-        metrics = rollout_metrics(episodes, n, seconds)
-        if started:
-            staleness = [episode_staleness(e, self.weight_version) for e in episodes]
-            metrics |= {
-                "async/staleness_mean": float(np.mean(staleness)),
-                "async/staleness_max": float(max(staleness)),
-                "async/dropped_episodes": float(dropped),
-                "async/started_ahead_s": self._train_ended - min(started) if self._train_ended else 0.0,
-            }
-        excluded: set[str] = set()
-        if filter_groups:
-            fillers = groups[len(kept) :]
-            excluded = {g[0].trajectory.uid for g in fillers}
-            metrics |= {
-                "dynamic_sampling/draws": float(draw + 1),
-                "dynamic_sampling/kept_groups": float(len(groups) - len(fillers)),
-                "dynamic_sampling/filler_groups": float(len(fillers)),
-                "dynamic_sampling/reward_mean": float(np.mean([e.reward for e in drawn])),
-            }
-        if a.zero_variance_filter:
-            tied = {g[0].trajectory.uid for g in groups if rewards_tie(g)}
-            metrics["filter/zero_variance_groups"] = float(len(tied))
-            excluded |= tied
-        return episodes, excluded, metrics
-
-    def _stream(self) -> RolloutStream:
-        """The rollout stream, started at the first call (after a resume restored the loader)."""
-        if self.stream is None:
-            self.stream = RolloutStream(
-                self._engine_loop(),
-                self.rollout,
-                self.loader,
-                self.cfg.trainer.async_training.max_staleness,
-                self.cfg.generator.inflight_weight_updates,
-                self.client.weight_version,
-                self.cfg.generator.n_samples_per_prompt,
-            )
-        return self.stream
-
-    def _serve(self) -> None:
-        """Serve the engines over HTTP for the whole run (`generator.http_endpoint`); the address goes
-        to the console and to `ENDPOINT_FILE` in the run directory."""
-        cfg = self.cfg.generator.http_endpoint
-        self.server = OpenAIServer(self.client, self.model_path, cfg)
-        self._engine_loop().run(self.server.start())
-        endpoint = {"base_url": f"{self.server.url}/v1", "model": self.server.model_name}
-        (self.run_dir / ENDPOINT_FILE).write_text(json.dumps({**endpoint, "api_key": bool(cfg.api_key)}))
-        print(f"HTTP endpoint: {endpoint['base_url']} (model {endpoint['model']!r}), in {ENDPOINT_FILE}")
-
-    async def _paused(self, call: partial[Awaitable[None]], resume: bool = True) -> None:
-        """`call()` once the HTTP endpoint holds new requests and its requests in progress finished;
-        with `resume`, it serves again after."""
-        assert self.server is not None
-        await self.server.pause()
-        await call()
-        if resume:
-            await self.server.resume()
-
-    def _engine_loop(self) -> BackgroundLoop:
-        if self._loop is None:
-            self._loop = BackgroundLoop()
-        return self._loop
-
-    def _await(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        """Run an engine-client coroutine: on the background loop once there is one, else in a new loop."""
-        return self._loop.run(coro) if self._loop else asyncio.run(coro)
-
-    def make_batch(self, episodes: list[Episode], excluded_uids: set[str]) -> TrainingInputBatch:
-        """The step's training rows; rows of the `excluded_uids` groups get loss mask 0. With
-        `stepwise_prefix_sharing` the steps of a trajectory that extend each other share a prefix group
-        (computed as one sequence); otherwise every row is its own."""
-        step_wise = self.cfg.generator.step_wise
-        seqs = trajectories_to_sequences([e.trajectory for e in episodes], step_wise)
-        batch = collate_sequences(seqs, self.tokenizer.pad_token_id)
-        shared = step_wise and self.cfg.trainer.stepwise_prefix_sharing
-        batch["prefix_group"] = torch.tensor(prefix_groups(seqs) if shared else range(len(seqs)))
-        if excluded_uids:
-            batch["loss_mask"] = mask_groups(batch["loss_mask"], batch.metadata["uids"], excluded_uids)
-        return batch
-
-    def _bounds(self, batch: TrainingInputBatch, mini_batch_size: int) -> list[tuple[int, int]]:
-        t = self.cfg.trainer
-        return compute_prompt_mini_batch_boundaries(
-            batch.metadata["uids"],
-            mini_batch_size,
-            t.train_batch_size,
-            self.cfg.generator.step_wise,
-            self.cfg.generator.n_samples_per_prompt,
-        )
-
-    def _stage(
-        self, group: ActorGroup, batch: TrainingInputBatch, mini_batch_size: int
-    ) -> list[StagedMiniBatch]:
-        """`batch`'s forward fields staged for `group`, once per step per (DP size, boundaries): the
-        policy, reference and critic forwards and every epoch reuse the same objects."""
-        bounds = self._bounds(batch, mini_batch_size)
-        key = (group.num_workers, tuple(bounds))
-        if key not in self._staged:
-            t = self.cfg.trainer
-            self._staged[key] = group.stage(
-                batch.select(FORWARD_FIELDS), bounds, t.balance_dp, t.delay_split_by_dp, self.cost_weight
-            )
-            self._dispatch_bytes += sum(mini.nbytes for mini in self._staged[key])
-        return self._staged[key]
-
-    def _stage_fields(
-        self, group: ActorGroup, batch: TrainingInputBatch, mini_batch_size: int, fields: list[str]
-    ) -> list[StagedMiniBatch]:
-        """The staged forward fields plus `fields`, put once more with the same rows."""
-        staged = self._stage(group, batch, mini_batch_size)
-        extended = MeshDispatch.add_fields(staged, batch.select(fields))
-        self._dispatch_bytes += sum(b.nbytes - a.nbytes for a, b in zip(staged, extended, strict=True))
-        return extended
-
-    def forward(self, batch: TrainingInputBatch) -> None:
-        """Old policy logprobs, reference logprobs and critic values of every row, into `batch`."""
-        t = self.cfg.trainer
-        batch["old_logprobs"] = self.policy.forward(
-            self._stage(self.policy, batch, t.policy_mini_batch_size)
-        )["logprobs"]
-        if self.ref is not None:
-            staged = self._stage(self.ref, batch, t.policy_mini_batch_size)
-            batch["ref_logprobs"] = self.ref.forward(staged)["logprobs"]
-        elif self.ref_from_policy:
-            staged = self._stage(self.policy, batch, t.policy_mini_batch_size)
-            batch["ref_logprobs"] = self.policy.forward(staged, adapters=False)["logprobs"]
-        if self.critic is not None:
-            staged = self._stage(self.critic, batch, t.critic_mini_batch_size)
-            batch["old_values"] = self.critic.forward(staged)["values"]
-
-    def compute_advantages(self, batch: TrainingInputBatch) -> dict[str, float]:
-        a = self.cfg.trainer.algorithm
-        metrics: dict[str, float] = {}
-        rewards = batch["rewards"]
-        if "ref_logprobs" in batch:
-            kl = kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], a.kl_estimator)
-            metrics["kl/mean"] = float(masked_mean(kl, batch["loss_mask"]))
-            if a.use_kl_in_reward:
-                rewards = apply_kl_penalty_to_rewards(
-                    rewards, kl * batch["loss_mask"], self.kl_ctrl.value, batch["response_mask"]
-                )
-                # trajectories, not rows: in step-wise mode rows depend on how many turns episodes took
-                self.kl_ctrl.update(metrics["kl/mean"], len(set(batch.metadata["trajectory_ids"])))
-                metrics["kl/coef"] = self.kl_ctrl.value
-        options = {
-            "gamma": a.gamma,
-            "lambd": a.lambd,
-            "norm_adv_by_std_in_grpo": a.norm_adv_by_std_in_grpo,
-            "group_baseline": a.group_baseline,
-        }
-        values = batch["old_values"] if self.critic is not None else None
-        meta = batch.metadata
-        if self.cfg.generator.step_wise:
-            advantages, returns = compute_stepwise_advantages(
-                a.advantage_estimator,
-                rewards,
-                batch["response_mask"],
-                meta["uids"],
-                meta["trajectory_ids"],
-                meta["is_last_step"],
-                values,
-                **options,
-            )
-        else:
-            advantages, returns = get_advantage_estimator(a.advantage_estimator)(
-                rewards, batch["response_mask"], meta["uids"], values, **options
-            )
-        batch["advantages"], batch["returns"] = advantages, returns
-        metrics["advantages/mean"] = float(masked_mean(advantages, batch["loss_mask"]))
-        # engine vs trainer logprobs of the same tokens: large means stale engine weights or a mismatch
-        logprob_gap = (batch["rollout_logprobs"] - batch["old_logprobs"]).abs()
-        metrics["policy/rollout_logprob_gap"] = float(masked_mean(logprob_gap, batch["loss_mask"]))
-        if a.off_policy_correction != "none":
-            batch["is_weights"], batch["loss_mask"], is_metrics = off_policy_correction(
-                batch["old_logprobs"],
-                batch["rollout_logprobs"],
-                batch["loss_mask"],
-                a.off_policy_correction,
-                a.tis_cap,
-                a.mis_low,
-                a.mis_high,
-            )
-            metrics |= {f"policy/{k}": float(v) for k, v in is_metrics.items()}
-        metrics["batch/pad_free_tokens"] = float(batch["loss_mask"].sum())
-        return metrics
-
-    def train(self, batch: TrainingInputBatch) -> dict[str, float]:
-        """`update_epochs_per_batch` passes over the mini-batches: critic, then policy, one optimizer
-        step per mini-batch; metrics over all of them (`combine_optimizer_steps`)."""
-        t = self.cfg.trainer
-        policy_fields = ["loss_mask", "old_logprobs", "advantages"]
-        if t.algorithm.use_kl_loss:
-            policy_fields.append("ref_logprobs")
-        if "is_weights" in batch:
-            policy_fields.append("is_weights")
-        policy = self._stage_fields(self.policy, batch, t.policy_mini_batch_size, policy_fields)
-        critic = None
-        if self.critic is not None:
-            fields = ["loss_mask", "old_values", "returns"]
-            critic = self._stage_fields(self.critic, batch, t.critic_mini_batch_size, fields)
-        history: list[dict[str, float]] = []
-        critic_history: list[dict[str, float]] = []
-        for _ in range(t.update_epochs_per_batch):
-            if critic is not None:
-                critic_history += self.critic.train(critic)
-            history += self.policy.train(policy)
-        for role, steps in (("policy", history), ("critic", critic_history)):
-            self._skipped_in_a_row[role] = skipped_in_a_row(
-                self._skipped_in_a_row[role], steps, role, t.max_consecutive_skipped_steps
-            )
-        metrics = {f"policy/{k}": v for k, v in combine_optimizer_steps(history).items()}
-        if critic_history:
-            metrics |= {f"critic/{k}": v for k, v in combine_optimizer_steps(critic_history).items()}
-        return metrics
 
     def sync_weights(self) -> None:
         """Policy weights to every engine (a full state dict through the object store, or group by group
@@ -642,19 +371,17 @@ class Trainer:
         loop, after the episodes in progress unless `generator.inflight_weight_updates`."""
         self.weight_version += 1
         version = self.weight_version
-        update = self._weight_update(version)
-        if self.server is not None:
-            update = partial(self._paused, update)
-        if self.stream is None:
-            self._await(update())
+        update = partial(self.engines.paused, self._weight_update(version))
+        if self.sampler.stream is None:
+            self.engines.run(update())
         else:
-            self.stream.sync(update, version)
+            self.sampler.stream.sync(update, version)
 
     def _sync_dtype(self) -> str:
         """The engines' weight dtype, which every sync sends (fp32 master weights into bf16 engines would
         double the bytes); asked once, when the bytes per sync are logged too."""
         if self._engine_dtype is None:
-            self._engine_dtype = self._await(self.client.health())[0].dtype
+            self._engine_dtype = self.engines.run(self.client.health())[0].dtype
             adapters = self.lora_sync == "adapter"
             self.sync_bytes = self.policy.run("sync_nbytes", adapters, self._engine_dtype)[0]
             logger.info("weight sync: %.1f MB per engine (%s)", self.sync_bytes / 1e6, self._engine_dtype)
@@ -682,24 +409,6 @@ class Trainer:
             resend=resend,
         )
 
-    # ---- eval ----
-    def evaluate(self) -> dict[str, float]:
-        """Greedy pass@1 and sampled pass@k on the held-out prompts."""
-        if self.eval_set is None:
-            return {}
-        prompts = list(self.eval_set.rows)
-        metrics = {}
-        for name, sampling, n in (
-            ("greedy", self.cfg.generator.eval_sampling, 1),
-            ("sampled", self.cfg.generator.sampling, self.cfg.trainer.eval_n_samples),
-        ):
-            uids = [f"eval{i}" for i in range(len(prompts))]
-            out = self._await(generate_checked(self.rollout, prompts, uids, n, sampling))
-            rollout = rollout_metrics(out.episodes, n, 0.0)  # the episodes', whatever the generator reports
-            metrics[f"eval/{name}/reward_mean"] = rollout["reward/mean"]
-            metrics[f"eval/{name}/pass@{n}"] = rollout[f"reward/pass@{n}"]
-        return metrics
-
     # ---- checkpoints ----
     def _trained_groups(self) -> dict[str, ActorGroup]:
         """The worker groups a checkpoint holds, by name."""
@@ -714,8 +423,8 @@ class Trainer:
         state = {
             "step": self.step,
             "weight_version": self.weight_version,
-            "loader": self._loader_state,  # prompts the stream drew ahead are drawn again on resume
-            "kl_coef": self.kl_ctrl.value,
+            **self.sampler.state_dict(),
+            **self.update.state_dict(),
         }
         rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
         return state, rng
@@ -737,10 +446,8 @@ class Trainer:
         self.step = state["step"]
         # the engines accept only newer versions: after a worker restart theirs may be ahead
         self.weight_version = max(state["weight_version"], self.client.weight_version)
-        self.loader.load_state_dict(state["loader"])
-        self._loader_state = self.loader.state_dict()
-        self.kl_ctrl.value = state["kl_coef"]
-        self._tied_steps, self._skipped_in_a_row = 0, {"policy": 0, "critic": 0}
+        self.sampler.load_state_dict(state)
+        self.update.load_state_dict(state)
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
         torch.set_rng_state(rng["torch"])
@@ -768,20 +475,16 @@ class Trainer:
                 self.worker_restarts,
                 limit,
             )
-            if self.stream is not None:  # its draws were made for steps that now run again
-                self.stream.stop()
-                self.stream = None
-            self._staged = {}
-            for group in (self.policy, self.ref, self.critic):
-                if group is not None:
-                    group.kill()
+            self.sampler.stop_stream()
+            for group in self.groups.all():
+                group.kill()
             try:
-                self._start_workers()
+                self.groups.replace(self._start_workers())
                 self._pin_to_cores()
                 if self.weight_sync == "broadcast":  # the old group lost its sender: the engines join anew
                     self.weight_sync = self._init_weight_sync()
                 if self.colocated:  # a worker may have died while the engines slept
-                    self._await(self.client.wake_up())
+                    self.engines.run(self.client.wake_up())
                 self._restore(checkpoint)
             except WorkerDiedError as again:
                 error = again
@@ -806,7 +509,7 @@ class Trainer:
                 f"{METRICS_FILE}: dropped {dropped} records after step {self.step}, which this run logs again"
             )
         if t.eval_before_train and self.step == 0:
-            evaluation = self.evaluate()
+            evaluation = self.sampler.evaluate()
             self.tracker.log(evaluation, self.step)
             print("eval before training: " + ", ".join(f"{k} {v:.3f}" for k, v in evaluation.items()))
         history: list[dict[str, float]] = []
@@ -843,7 +546,7 @@ class Trainer:
         t = self.cfg.trainer
         metrics = self.train_step()
         if t.eval_interval and self.step % t.eval_interval == 0:
-            evaluation = self.evaluate()
+            evaluation = self.sampler.evaluate()
             metrics |= evaluation
             progress.write(
                 f"eval at step {self.step}: " + ", ".join(f"{k} {v:.3f}" for k, v in evaluation.items())
@@ -855,20 +558,15 @@ class Trainer:
         return metrics
 
     def shutdown(self) -> None:
-        if self.stream is not None:
-            self.stream.stop()
-        if self.server is not None:
-            self._await(self.server.stop())
+        self.sampler.stop_stream()
+        self.engines.stop_serving()
         close = getattr(self.rollout, "close", None)  # agent sessions, env processes
         if close is not None:
             close()
-        if self._loop is not None:
-            self._loop.close()
         self.tracker.close()
-        self.client.shutdown()
-        for group in (self.policy, self.ref, self.critic):
-            if group is not None:
-                group.kill()
+        self.engines.close()
+        for group in self.groups.all():
+            group.kill()
         for pg in self._placement_groups:
             remove_placement_group(pg)
         if self._driver_cores is not None:
@@ -892,77 +590,6 @@ def _timer(timings: dict[str, float], name: str) -> Iterator[None]:
     timings[name] = time.perf_counter() - start
 
 
-def combine_optimizer_steps(history: list[dict[str, float]]) -> dict[str, float]:
-    """A step's training metrics from those of its optimizer steps (each over its whole mini-batch):
-    `loss`, `grad_norm` and `lr` averaged over the steps, `loss_tokens` and `skipped_steps` summed,
-    `*_max` / `*_min` the
-    extreme over the steps that had loss tokens, any other statistic weighted by each step's loss tokens
-    (0 when no step had any), so neither a mini-batch without loss tokens nor the number of mini-batches
-    changes them. Adds `optimizer_steps`."""
-    tokens = [h["loss_tokens"] for h in history]
-    total = sum(tokens)
-    combined = {}
-    for key in history[0]:
-        values = [h[key] for h in history]
-        if key in ("loss", "grad_norm", "lr"):
-            combined[key] = float(np.mean(values))
-        elif key in ("loss_tokens", "skipped_steps"):
-            combined[key] = float(sum(values))
-        elif key.endswith(("_max", "_min")):
-            live = [v for v, n in zip(values, tokens, strict=True) if n > 0]
-            combined[key] = float((max if key.endswith("_max") else min)(live)) if live else 0.0
-        else:
-            combined[key] = sum(v * n for v, n in zip(values, tokens, strict=True)) / total if total else 0.0
-    combined["optimizer_steps"] = float(len(history))
-    return combined
-
-
-def skipped_in_a_row(before: int, steps: list[dict[str, float]], role: str, limit: int) -> int:
-    """Optimizer steps of `role` skipped in a row (non-finite loss or gradient) after `steps`, counting on
-    from `before`; `RuntimeError` once more than `limit` (`trainer.max_consecutive_skipped_steps`) were."""
-    count = before
-    for step in steps:
-        count = count + 1 if step["skipped_steps"] else 0
-        if count > limit:
-            raise RuntimeError(
-                f"{count} {role} optimizer steps in a row had a non-finite loss or gradient and were skipped "
-                f"(more than trainer.max_consecutive_skipped_steps={limit}); the weights are those of the last "
-                "finite step. Look for inf/NaN in rewards or advantages, or lower the learning rate."
-            )
-    return count
-
-
-def tied_rewards_warning(tied_steps: int) -> str | None:
-    """The console warning once every group's rewards tied for `TIED_STEPS_WARNING` steps in a row."""
-    if tied_steps != TIED_STEPS_WARNING:
-        return None
-    return (
-        f"for {tied_steps} steps every prompt group's samples all got the same reward, so group-relative "
-        "advantages are 0 and the policy does not learn (grad_norm 0). Check the environment's rewards and "
-        "its action space (environment.config.<env>.allowed_tokens); more samples per prompt or a higher "
-        "temperature also help."
-    )
-
-
-def env_failure_warning(step: int, episodes: list[Episode], env_failure: str) -> str | None:
-    """The console warning of a step whose environments raised: how many episodes, what their turns
-    train on (`generator.env_failure`) and the first error; None when none raised."""
-    failed = [e for e in episodes if e.stop_reason == "error"]
-    if not failed:
-        return None
-    trained = "masked out of the loss" if env_failure == "mask" else "trained with reward 0"
-    first = failed[0]
-    return (
-        f"step {step}: {len(failed)} of {len(episodes)} episodes failed in their environment or agent (their turns are "
-        f"{trained}); first: {first.trajectory.trajectory_id}: {first.error}"
-    )
-
-
-def rewards_tie(group: list[Episode]) -> bool:
-    """True when every episode of a prompt group has the same total reward (no learning signal)."""
-    return len({round(e.reward, 6) for e in group}) == 1
-
-
 def check_gpu_budget(cfg: SkyRLConfig, use_ref: bool, use_critic: bool, cluster_gpus: int) -> None:
     """`ConfigError` naming each model's GPUs when the layout needs more than the cluster's `cluster_gpus`:
     colocated, the policy's bundles hold everything; disaggregated, the policy, reference and critic
@@ -979,12 +606,6 @@ def check_gpu_budget(cfg: SkyRLConfig, use_ref: bool, use_critic: bool, cluster_
             "use fewer ranks or engines, trainer.placement.colocate_all=true (placement=colocated), or a "
             "bigger cluster."
         )
-
-
-def pad_fraction(bounds: list[tuple[int, int]], dp_size: int) -> float:
-    """Share of the rows sent to the DP ranks that are padding (each mini-batch padded to a multiple of dp_size)."""
-    pads = sum((start - end) % dp_size for start, end in bounds)
-    return pads / (bounds[-1][1] - bounds[0][0] + pads)
 
 
 def resolve_model_path(path: str) -> str:

@@ -23,14 +23,14 @@ def build(overrides, run_dir, model_path):
         cfg, run_dir, str(model_path), load_datasets(cfg, AutoTokenizer.from_pretrained(model_path))
     )
     trainer.recorded = []
-    generate = trainer.generate
+    generate = trainer.sampler.generate
 
-    def recording():
-        episodes, excluded, metrics = generate()
+    def recording(*args):
+        episodes, excluded, metrics = generate(*args)
         trainer.recorded.append((trainer.weight_version, episodes))
         return episodes, excluded, metrics
 
-    trainer.generate = recording
+    trainer.sampler.generate = recording
     return trainer
 
 

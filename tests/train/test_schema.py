@@ -31,6 +31,7 @@ from skyrl.envs import guess_number
 from skyrl.train.algorithms import AdaptiveKLController
 from skyrl.train.config import compose_config
 from skyrl.train.dataset.prompt_dataset import PromptDataset
+from skyrl.train.engines import Engines
 from skyrl.train.generator.agent import AgentGenerator
 from skyrl.train.inference import InferenceEngineClient
 from skyrl.train.schema import SkyRLConfig
@@ -283,14 +284,22 @@ LOSS_KEYS = {
 
 # where a component's code reads its settings
 CODE = {
-    "policy": ["train/workers/fsdp_worker.py", "train/workers/lora.py"],
+    "policy": ["train/workers/fsdp_worker.py", "train/workers/lora.py", "train/workers/persistence.py"],
     "ref": ["train/workers/fsdp_worker.py"],
-    "critic": ["train/workers/fsdp_worker.py", "train/workers/lora.py"],
+    "critic": ["train/workers/fsdp_worker.py", "train/workers/lora.py", "train/workers/persistence.py"],
     "engine": ["train/inference/client.py", "train/inference/hf_engine.py", "train/inference/vllm_engine.py"],
     "rollout": ["train/generator/rollout.py", "train/generator/agent.py", "train/generator/base.py"],
-    "server": ["train/inference/openai_server.py", "train/trainer.py"],
+    "server": ["train/inference/openai_server.py", "train/trainer.py", "train/engines.py"],
     "environment": ["train/generator/rollout.py"],
-    "trainer": ["train/trainer.py", "train/workers/actor_group.py"],
+    "trainer": [
+        "train/trainer.py",
+        "train/checkpoints.py",
+        "train/engines.py",
+        "train/ppo_update.py",
+        "train/sampler.py",
+        "train/step_batch.py",
+        "train/workers/actor_group.py",
+    ],
     "entry": ["train/__main__.py", "train/trainer.py"],
 }
 
@@ -372,15 +381,15 @@ EFFECTS = {
     "trainer.placement.cpus_per_worker": lambda b: b.bundle_cpus[0],
     "trainer.algorithm.use_kl_in_reward": lambda b: "ref" in b.workers,
     "trainer.algorithm.kl_ctrl.type": lambda b: (
-        "adaptive" if isinstance(b.trainer.kl_ctrl, AdaptiveKLController) else "fixed"
+        "adaptive" if isinstance(b.trainer.update.kl_ctrl, AdaptiveKLController) else "fixed"
     ),
-    "trainer.algorithm.kl_ctrl.kl_coef": lambda b: b.trainer.kl_ctrl.value,
-    "trainer.algorithm.kl_ctrl.target_kl": lambda b: b.trainer.kl_ctrl.target_kl,
-    "trainer.algorithm.kl_ctrl.horizon": lambda b: b.trainer.kl_ctrl.horizon,
+    "trainer.algorithm.kl_ctrl.kl_coef": lambda b: b.trainer.update.kl_ctrl.value,
+    "trainer.algorithm.kl_ctrl.target_kl": lambda b: b.trainer.update.kl_ctrl.target_kl,
+    "trainer.algorithm.kl_ctrl.horizon": lambda b: b.trainer.update.kl_ctrl.horizon,
     "trainer.logger": lambda b: b.tracker[0],
     "trainer.project_name": lambda b: b.tracker[2],
     "trainer.run_name": lambda b: b.tracker[3],
-    "trainer.train_batch_size": lambda b: b.trainer.loader.batch_size,
+    "trainer.train_batch_size": lambda b: b.trainer.sampler.loader.batch_size,
     "generator.sampling.temperature": lambda b: b.workers["policy"].temperature,
     "generator.inference_engine.weight_sync": lambda b: b.trainer.weight_sync,
     "generator.http_endpoint.enabled": lambda b: b.trainer.server is not None,
@@ -389,7 +398,7 @@ EFFECTS = {
     "generator.generator_class": lambda b: (
         f"{type(b.trainer.rollout).__module__}:{type(b.trainer.rollout).__name__}"
     ),
-    "data.shuffle": lambda b: b.trainer.loader.shuffle,
+    "data.shuffle": lambda b: b.trainer.sampler.loader.shuffle,
 }
 
 # entry-point keys: key -> its effect on start_ray's ray.init call or on load_datasets
@@ -464,7 +473,7 @@ def build(monkeypatch, tmp_path, tiny_model_path, prompts):
         served = types.SimpleNamespace(
             url="http://127.0.0.1:1", cfg=cfg.generator.http_endpoint, model_name="m"
         )
-        monkeypatch.setattr(Trainer, "_serve", lambda self: setattr(self, "server", served))
+        monkeypatch.setattr(Engines, "serve", lambda self, *args: setattr(self, "server", served))
         trainer = Trainer(cfg, tmp_path, str(tiny_model_path), (prompts, None))
         trainers.append(trainer)
         return Built(trainer, workers, sizes, bundle_cpus, engine, tuple(tracker))

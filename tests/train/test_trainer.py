@@ -23,15 +23,11 @@ from transformers import AutoTokenizer
 from skyrl.train.checkpoints import latest_checkpoint
 from skyrl.train.config import compose_config
 from skyrl.train.dataset.preprocess import Trajectory, Turn, mask_groups
+from skyrl.train.engines import ENDPOINT_FILE
 from skyrl.train.generator.rollout import Episode
-from skyrl.train.trainer import (
-    ENDPOINT_FILE,
-    Trainer,
-    check_gpu_budget,
-    load_datasets,
-    rewards_tie,
-    skipped_in_a_row,
-)
+from skyrl.train.ppo_update import skipped_in_a_row
+from skyrl.train.sampler import rewards_tie
+from skyrl.train.trainer import Trainer, check_gpu_budget, load_datasets
 from skyrl.train.utils.errors import ConfigError
 from skyrl.train.utils.tracking import read_metrics
 from skyrl.train.workers.actor_group import WorkerDiedError
@@ -112,26 +108,41 @@ def build(cfg, run_dir, model_path, cls=Trainer) -> Trainer:
     return cls(cfg, run_dir, str(model_path), load_datasets(cfg, AutoTokenizer.from_pretrained(model_path)))
 
 
-class KillsAPolicyWorker(Trainer):
+class BeforeTraining(Trainer):
+    """A trainer that calls `before_training()` when a step's optimizer steps start."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        train = self.update.train
+
+        def observed(step):
+            self.before_training()
+            return train(step)
+
+        self.update.train = observed
+
+    def before_training(self) -> None:
+        raise NotImplementedError
+
+
+class KillsAPolicyWorker(BeforeTraining):
     """Kills policy rank `rank` when step `at_step` starts training, the first time that step runs."""
 
     at_step, rank = 3, 0
 
-    def train(self, batch):
+    def before_training(self) -> None:
         if self.step + 1 == self.at_step and not self.worker_restarts:
             ray.kill(self.policy.actors[self.rank])
-        return super().train(batch)
 
 
-class SignalledMidStep(Trainer):
+class SignalledMidStep(BeforeTraining):
     """Sends this process SIGTERM (a scheduler's pre-emption) when step `at_step` starts training."""
 
     at_step = 3
 
-    def train(self, batch):
+    def before_training(self) -> None:
         if self.step + 1 == self.at_step:
             os.kill(os.getpid(), signal.SIGTERM)
-        return super().train(batch)
 
 
 def run(overrides, run_dir, model_path, cls=Trainer):
@@ -325,13 +336,13 @@ def shared_run(ray_cluster, tiny_model_path, tmp_path_factory) -> SimpleNamespac
     run_dir = tmp_path_factory.mktemp("shared")
     trainer = build(compose_config(SHARED), run_dir, tiny_model_path)
     seen = SimpleNamespace(run_dir=run_dir, asleep_during_training=[], statuses=[])
-    train = trainer.train
+    train = trainer.update.train
 
     def observed_train(batch):
-        seen.asleep_during_training.append([h.asleep for h in trainer._await(trainer.client.health())])
+        seen.asleep_during_training.append([h.asleep for h in trainer.engines.run(trainer.client.health())])
         return train(batch)
 
-    trainer.train = observed_train
+    trainer.update.train = observed_train
     seen.endpoint = json.loads((run_dir / ENDPOINT_FILE).read_text())
     done = threading.Event()
 
@@ -363,7 +374,7 @@ def shared_run(ray_cluster, tiny_model_path, tmp_path_factory) -> SimpleNamespac
         thread.start()
         with contextlib.redirect_stdout(console):
             seen.history = trainer.fit()
-        seen.asleep_after = [h.asleep for h in trainer._await(trainer.client.health())]
+        seen.asleep_after = [h.asleep for h in trainer.engines.run(trainer.client.health())]
     finally:
         done.set()
         thread.join(timeout=60)
@@ -534,7 +545,7 @@ def test_dp2_layouts_give_the_same_training_through_the_trainer(ray_cluster, tin
 
 
 def test_pad_fraction_counts_the_rows_added_to_reach_the_dp_size():
-    from skyrl.train.trainer import pad_fraction
+    from skyrl.train.step_batch import pad_fraction
 
     assert pad_fraction([(0, 3), (3, 8)], 4) == pytest.approx(4 / 12)  # 3 -> 4 and 5 -> 8
     assert pad_fraction([(0, 4), (4, 8)], 4) == 0.0
@@ -542,7 +553,7 @@ def test_pad_fraction_counts_the_rows_added_to_reach_the_dp_size():
 
 
 def test_step_metrics_weigh_optimizer_steps_by_loss_tokens_and_keep_true_extremes():
-    from skyrl.train.trainer import combine_optimizer_steps
+    from skyrl.train.ppo_update import combine_optimizer_steps
 
     steps = [
         {
@@ -580,7 +591,7 @@ def test_step_metrics_weigh_optimizer_steps_by_loss_tokens_and_keep_true_extreme
 
 
 def test_console_warns_once_when_no_group_had_reward_variance_for_several_steps():
-    from skyrl.train.trainer import TIED_STEPS_WARNING, tied_rewards_warning
+    from skyrl.train.sampler import TIED_STEPS_WARNING, tied_rewards_warning
 
     warnings = [tied_rewards_warning(n) for n in range(1, 2 * TIED_STEPS_WARNING)]
     assert [w is not None for w in warnings].count(True) == 1
@@ -588,7 +599,7 @@ def test_console_warns_once_when_no_group_had_reward_variance_for_several_steps(
 
 
 def test_console_warns_of_env_failures_with_their_count_and_first_error():
-    from skyrl.train.trainer import env_failure_warning
+    from skyrl.train.sampler import env_failure_warning
 
     ok = episode("a", 0, [1.0])
     failed = [

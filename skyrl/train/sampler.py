@@ -1,0 +1,211 @@
+"""Episodes for each step and for evaluation.
+
+`Sampler` draws the step's prompts from the loader (its position is the checkpointed state: the
+prompts a step took, not those a stream drew ahead), runs them through the rollout manager, or
+takes them from the `RolloutStream` that generates while the previous steps train
+(`trainer.async_training.max_staleness` >= 1), applies dynamic sampling and the zero-variance
+filter, and warns when rewards stop varying or environments fail.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from skyrl.train.dataset.prompt_dataset import PromptDataset, PromptLoader
+from skyrl.train.engines import Engines
+from skyrl.train.generator.base import generate_checked
+from skyrl.train.generator.rollout import Episode, rollout_metrics
+from skyrl.train.generator.stream import RolloutStream, episode_staleness
+from skyrl.train.schema import SkyRLConfig
+
+logger = logging.getLogger(__name__)
+TIED_STEPS_WARNING = 5  # warn after this many steps without a group that has reward variance
+
+
+class Sampler:
+    """The step's episodes (`generate`) and the held-out evaluation (`evaluate`) over `rollout`, a generator
+    (`skyrl.train.generator.base`) whose engine calls run through `engines`."""
+
+    def __init__(
+        self,
+        cfg: SkyRLConfig,
+        loader: PromptLoader,
+        eval_set: PromptDataset | None,
+        rollout: Any,
+        engines: Engines,
+    ):
+        self.cfg, self.loader, self.eval_set, self.rollout, self.engines = (
+            cfg,
+            loader,
+            eval_set,
+            rollout,
+            engines,
+        )
+        self.stream: RolloutStream | None = None  # max_staleness >= 1: started by the first step
+        self._loader_state = loader.state_dict()  # after the last batch of prompts a step took
+        self._tied_steps = 0  # consecutive steps in which every group's rewards tied
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"loader": self._loader_state}  # prompts the stream drew ahead are drawn again on resume
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state["loader"])
+        self._loader_state = self.loader.state_dict()
+        self._tied_steps = 0
+
+    def stop_stream(self) -> None:
+        """Stop generating ahead: after a restore its draws were made for steps that now run again."""
+        if self.stream is not None:
+            self.stream.stop()
+            self.stream = None
+
+    def generate(
+        self, step: int, weight_version: int, train_ended: float | None
+    ) -> tuple[list[Episode], set[str], dict[str, float]]:
+        """Episodes for one batch of prompts (step `step`, 0-based, trained at policy `weight_version`), the
+        uids of the groups to leave out of the loss, and metrics.
+
+        With dynamic sampling, groups whose episodes all scored the same are set aside and more prompts
+        are drawn (at most `max_sample_batches` draws); if the batch is still short, set-aside groups
+        fill it and are left out of the loss. `zero_variance_filter` leaves out every such group. Both
+        decide per episode, on its total environment reward (before any KL penalty). `reward/*` and
+        `episode/*` describe the trained batch; figures over every draw go under `dynamic_sampling/`.
+        With a stream, `async/*` gives the trained episodes' staleness, the episodes dropped for
+        exceeding it and how long before the previous step's training (ended at `train_ended`) their
+        generation began.
+        """
+        algorithm, batch_size = self.cfg.trainer.algorithm, self.cfg.trainer.train_batch_size
+        n = self.cfg.generator.n_samples_per_prompt
+        filter_groups = algorithm.dynamic_sampling == "filter"
+        kept: list[list[Episode]] = []
+        set_aside: list[list[Episode]] = []
+        drawn: list[Episode] = []
+        seconds, dropped, started = 0.0, 0, []
+        for draw in range(algorithm.max_sample_batches if filter_groups else 1):
+            begin = time.perf_counter()
+            out, dropped_now, started_at = self._draw(f"s{step}d{draw}", weight_version)
+            dropped += dropped_now
+            started += started_at
+            seconds += time.perf_counter() - begin
+            drawn += out
+            for i in range(0, len(out), n):
+                group = out[i : i + n]
+                (set_aside if filter_groups and rewards_tie(group) else kept).append(group)
+            if len(kept) >= batch_size:
+                break
+        groups = (kept + set_aside)[:batch_size]
+        episodes = [e for g in groups for e in g]
+        self._warn(step, groups, drawn)
+        metrics = rollout_metrics(episodes, n, seconds)
+        if started:
+            staleness = [episode_staleness(e, weight_version) for e in episodes]
+            metrics |= {
+                "async/staleness_mean": float(np.mean(staleness)),
+                "async/staleness_max": float(max(staleness)),
+                "async/dropped_episodes": float(dropped),
+                "async/started_ahead_s": train_ended - min(started) if train_ended else 0.0,
+            }
+        excluded: set[str] = set()
+        if filter_groups:
+            fillers = groups[len(kept) :]
+            excluded = {g[0].trajectory.uid for g in fillers}
+            metrics |= {
+                "dynamic_sampling/draws": float(draw + 1),
+                "dynamic_sampling/kept_groups": float(len(groups) - len(fillers)),
+                "dynamic_sampling/filler_groups": float(len(fillers)),
+                "dynamic_sampling/reward_mean": float(np.mean([e.reward for e in drawn])),
+            }
+        if algorithm.zero_variance_filter:
+            tied = {g[0].trajectory.uid for g in groups if rewards_tie(g)}
+            metrics["filter/zero_variance_groups"] = float(len(tied))
+            excluded |= tied
+        return episodes, excluded, metrics
+
+    def _draw(self, prefix: str, weight_version: int) -> tuple[list[Episode], int, list[float]]:
+        """One batch of prompts' episodes (uids `prefix` + `p<i>`), the episodes a stream dropped as too stale,
+        and when the stream began generating them (nothing without a stream)."""
+        if self.cfg.trainer.async_training.max_staleness == 0:
+            prompts = self.loader.next_batch()
+            uids = [f"{prefix}p{i}" for i in range(len(prompts))]
+            n = self.cfg.generator.n_samples_per_prompt
+            out = self.engines.run(generate_checked(self.rollout, prompts, uids, n)).episodes
+            self._loader_state = self.loader.state_dict()
+            return out, 0, []
+        taken = self._stream().take(weight_version)
+        self._loader_state = taken.loader_state
+        return taken.episodes, taken.dropped, [taken.started]
+
+    def _warn(self, step: int, groups: list[list[Episode]], drawn: list[Episode]) -> None:
+        self._tied_steps = self._tied_steps + 1 if all(rewards_tie(g) for g in groups) else 0
+        for warning in (
+            tied_rewards_warning(self._tied_steps),
+            env_failure_warning(step + 1, drawn, self.cfg.generator.env_failure),
+        ):
+            if warning:
+                logger.warning(warning)
+
+    def _stream(self) -> RolloutStream:
+        """The rollout stream, started at the first call (after a resume restored the loader)."""
+        if self.stream is None:
+            self.stream = RolloutStream(
+                self.engines.loop(),
+                self.rollout,
+                self.loader,
+                self.cfg.trainer.async_training.max_staleness,
+                self.cfg.generator.inflight_weight_updates,
+                self.engines.client.weight_version,
+                self.cfg.generator.n_samples_per_prompt,
+            )
+        return self.stream
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy pass@1 and sampled pass@k on the held-out prompts."""
+        if self.eval_set is None:
+            return {}
+        prompts = list(self.eval_set.rows)
+        metrics = {}
+        for name, sampling, n in (
+            ("greedy", self.cfg.generator.eval_sampling, 1),
+            ("sampled", self.cfg.generator.sampling, self.cfg.trainer.eval_n_samples),
+        ):
+            uids = [f"eval{i}" for i in range(len(prompts))]
+            out = self.engines.run(generate_checked(self.rollout, prompts, uids, n, sampling))
+            rollout = rollout_metrics(out.episodes, n, 0.0)  # the episodes', whatever the generator reports
+            metrics[f"eval/{name}/reward_mean"] = rollout["reward/mean"]
+            metrics[f"eval/{name}/pass@{n}"] = rollout[f"reward/pass@{n}"]
+        return metrics
+
+
+def tied_rewards_warning(tied_steps: int) -> str | None:
+    """The console warning once every group's rewards tied for `TIED_STEPS_WARNING` steps in a row."""
+    if tied_steps != TIED_STEPS_WARNING:
+        return None
+    return (
+        f"for {tied_steps} steps every prompt group's samples all got the same reward, so group-relative "
+        "advantages are 0 and the policy does not learn (grad_norm 0). Check the environment's rewards and "
+        "its action space (environment.config.<env>.allowed_tokens); more samples per prompt or a higher "
+        "temperature also help."
+    )
+
+
+def env_failure_warning(step: int, episodes: list[Episode], env_failure: str) -> str | None:
+    """The console warning of a step whose environments raised: how many episodes, what their turns
+    train on (`generator.env_failure`) and the first error; None when none raised."""
+    failed = [e for e in episodes if e.stop_reason == "error"]
+    if not failed:
+        return None
+    trained = "masked out of the loss" if env_failure == "mask" else "trained with reward 0"
+    first = failed[0]
+    return (
+        f"step {step}: {len(failed)} of {len(episodes)} episodes failed in their environment or agent (their turns are "
+        f"{trained}); first: {first.trajectory.trajectory_id}: {first.error}"
+    )
+
+
+def rewards_tie(group: list[Episode]) -> bool:
+    """True when every episode of a prompt group has the same total reward (no learning signal)."""
+    return len({round(e.reward, 6) for e in group}) == 1
