@@ -31,7 +31,7 @@ from skyrl.train.generator.agent import AgentGenerator
 from skyrl.train.generator.rollout import RolloutManager
 from skyrl.train.inference import InferenceEngineClient
 from skyrl.train.inference.openai_server import OpenAIServer
-from skyrl.train.trainer import load_datasets
+from skyrl.train.sampler import load_datasets
 from skyrl.train.utils.background_loop import BackgroundLoop
 from skyrl.train.utils.tiny_model import create_tiny_model
 

@@ -21,8 +21,10 @@ import numpy as np
 import ray
 from transformers import AutoTokenizer
 
+from skyrl.train.cluster import resolve_model_path
 from skyrl.train.config import compose_config
-from skyrl.train.trainer import Trainer, load_datasets, resolve_model_path
+from skyrl.train.sampler import load_datasets
+from skyrl.train.trainer import Trainer
 
 WINDOW, MARGIN = 10, 0.3
 

@@ -41,8 +41,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from skyrl.envs.guess_number import GuessNumberEnv
+from skyrl.train.cluster import resolve_model_path
 from skyrl.train.config import compose_config
-from skyrl.train.trainer import Trainer, load_datasets, resolve_model_path
+from skyrl.train.sampler import load_datasets
+from skyrl.train.trainer import Trainer
 from skyrl.train.utils.preemption import Preempted
 from skyrl.train.utils.tracking import read_metrics
 

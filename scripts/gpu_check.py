@@ -252,7 +252,7 @@ def main() -> None:
         )
         print(
             f"device {device}, {params / 1e6:.1f}M parameters, attention {attn}, world size 1 ({worker.mesh.device_type})"
-            + (", decoder layers compiled" if args.compile else "")
+            + (", decoder layers and LM head compiled" if args.compile else "")
         )
         print(
             f"train step: {len(batch)} step-wise rows, {trained:,} tokens forwarded (prefix-shared), "

@@ -83,7 +83,8 @@ def load_inputs(cfg: SkyRLConfig) -> tuple[str, Datasets]:
     path or a bad dataset row stops the run in seconds."""
     from transformers import AutoTokenizer
 
-    from skyrl.train.trainer import load_datasets, resolve_model_path
+    from skyrl.train.cluster import resolve_model_path
+    from skyrl.train.sampler import load_datasets
 
     model_path = resolve_model_path(cfg.trainer.policy.model.path)
     return model_path, load_datasets(cfg, AutoTokenizer.from_pretrained(model_path))

@@ -10,10 +10,13 @@ tree for command-line overrides, as `python -m skyrl.train` does.
 from __future__ import annotations
 
 import functools
+import importlib.util
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from skyrl.train.inference.config import check_action_space
 from skyrl.train.overrides import check_config_name, check_overrides
 from skyrl.train.schema import (
     ATTN_IMPLEMENTATIONS,
@@ -473,6 +476,59 @@ def _check_across_sections(cfg: SkyRLConfig) -> None:
         "sync needs each engine on its policy rank's node and GPU; use placement=colocated, or "
         "weight_sync=broadcast (or auto) for disaggregated engines.",
     )
+
+
+def preflight(cfg: SkyRLConfig, resources: Mapping[str, float], num_allowed_tokens: int = 0) -> None:
+    """The rules that need the Ray cluster's `resources` (`ray.cluster_resources()`), checked before any
+    placement group or process starts: the layout fits the GPUs, NCCL broadcast gets GPUs of its own,
+    flash-attention has a GPU and its package, the engines take the environment's `num_allowed_tokens`."""
+    from skyrl.train.cluster import Roles
+    from skyrl.train.inference.client import resolve_engine_config
+
+    gpus = int(resources.get("GPU", 0))
+    key = f"environment.config.{cfg.environment.env_class}.allowed_tokens"
+    check_action_space(resolve_engine_config(cfg.generator.inference_engine, gpus), num_allowed_tokens, key)
+    if gpus:  # a layout that cannot fit would wait for GPUs forever
+        roles = Roles.of(cfg.trainer)
+        check_gpu_budget(cfg, roles.ref, roles.critic, gpus)
+    engine = cfg.generator.inference_engine
+    _require(
+        not (engine.weight_sync == "broadcast" and gpus and cfg.trainer.placement.colocate_all),
+        "generator.inference_engine.weight_sync=broadcast needs engines on GPUs of their own (NCCL cannot "
+        "join two ranks on one GPU), but trainer.placement.colocate_all=true; use weight_sync=ipc "
+        "(or auto), or placement=disaggregated",
+    )
+    flash = importlib.util.find_spec("flash_attn") is not None
+    for role in ROLES:
+        implementation = getattr(cfg.trainer, role).model.attn_implementation
+        _require(
+            implementation != "flash_attention_2" or (gpus and flash),
+            f"trainer.{role}.model.attn_implementation=flash_attention_2 needs a GPU and the flash-attn package "
+            f"(the cluster has {gpus} GPUs; flash_attn is {'installed' if flash else 'missing'}); use varlen "
+            "(torch's own flash attention over packed sequences) or sdpa",
+        )
+
+
+def check_gpu_budget(cfg: SkyRLConfig, use_ref: bool, use_critic: bool, cluster_gpus: int) -> None:
+    """`ConfigError` naming each model's GPUs when the layout needs more than the cluster's `cluster_gpus`:
+    colocated, the policy's bundles hold everything; disaggregated, the policy, reference and critic
+    ranks and `num_engines x tensor_parallel_size` engine GPUs each need GPUs of their own."""
+    placement, engine = cfg.trainer.placement, cfg.generator.inference_engine
+    roles = ["policy"] + (["ref"] * use_ref + ["critic"] * use_critic if not placement.colocate_all else [])
+    needs = {
+        f"{role} ({role}_num_nodes x {role}_num_gpus_per_node)": placement.dp_size(role) for role in roles
+    }
+    if not placement.colocate_all:
+        needs["engines (num_engines x tensor_parallel_size)"] = (
+            engine.num_engines * engine.tensor_parallel_size
+        )
+    if sum(needs.values()) > cluster_gpus:
+        parts = ", ".join(f"{name} {n}" for name, n in needs.items())
+        raise ConfigError(
+            f"this layout needs {sum(needs.values())} GPUs ({parts}), the Ray cluster has {cluster_gpus}; "
+            "use fewer ranks or engines, trainer.placement.colocate_all=true (placement=colocated), or a "
+            "bigger cluster."
+        )
 
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from skyrl.train.inference import InferenceEngineClient
 from skyrl.train.inference.openai_server import OpenAIServer
-from skyrl.train.schema import OpenAIServerConfig
+from skyrl.train.schema import OpenAIServerConfig, SkyRLConfig
 from skyrl.train.utils.background_loop import BackgroundLoop
 
 ENDPOINT_FILE = "http_endpoint.json"  # the HTTP endpoint's base_url, model and whether it needs a key
@@ -30,6 +31,40 @@ class Engines:
         self.client = client
         self.server: OpenAIServer | None = None
         self._loop: BackgroundLoop | None = None
+
+    @classmethod
+    def start(
+        cls,
+        cfg: SkyRLConfig,
+        model_path: str,
+        placement: tuple[Sequence[Any] | None, Mapping[str, float] | None],
+        start_client: Callable[..., InferenceEngineClient],
+        **hooks: Any,
+    ) -> Engines:
+        """Start `generator.inference_engine` (`start_client`: `InferenceEngineClient.from_config`) without
+        waiting for it to serve (`wait_until_serving`). `placement`: colocated, engine i's scheduling
+        strategy and its share of a bundle (it may use all of the bundle's CPUs: engines and workers take
+        turns; on GPUs it sleeps while the workers train); else (None, None). With adapter sync (LoRA) the
+        engines serve adapters of the policy's rank unless set higher. A dead engine is restarted up to
+        `generator.max_engine_restarts` times per run; `hooks` are the client's restart hooks."""
+        engine, lora = cfg.generator.inference_engine, cfg.trainer.policy.lora
+        if lora.rank and engine.lora_sync == "adapter":
+            engine = replace(engine, max_lora_rank=engine.max_lora_rank or lora.rank)
+        strategies, resources = placement
+        if strategies is not None:
+            engine = replace(engine, num_cpus_per_engine=cfg.trainer.placement.cpus_per_worker)
+            if resources and resources["num_gpus"]:
+                engine = replace(engine, enable_sleep_mode=True)
+        restarts = cfg.generator.max_engine_restarts
+        return cls(
+            start_client(
+                engine, model_path, strategies, resources, max_restarts=restarts, wait=False, **hooks
+            )
+        )
+
+    def wait_until_serving(self) -> None:
+        """Block until the engines serve (a `TimeoutError` past `start_timeout_s`)."""
+        self.client.wait_until_serving()
 
     def loop(self) -> BackgroundLoop:
         """The background loop every engine call runs on from now on (started at the first call)."""

@@ -10,7 +10,6 @@ mini-batch, critic first, and stops the run after too many non-finite steps in a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,28 +24,10 @@ from skyrl.train.algorithms import (
     masked_mean,
     off_policy_correction,
 )
+from skyrl.train.cluster import WorkerGroups
 from skyrl.train.schema import SkyRLConfig
 from skyrl.train.step_batch import StepBatch
 from skyrl.train.training_batch import TrainingInputBatch
-from skyrl.train.workers.actor_group import ActorGroup
-
-
-@dataclass
-class WorkerGroups:
-    """The running worker groups: the policy, and the reference and critic when the algorithm needs them.
-    `ref_from_policy`: the reference is the LoRA policy with its adapters disabled."""
-
-    policy: ActorGroup
-    ref: ActorGroup | None
-    critic: ActorGroup | None
-    ref_from_policy: bool = False
-
-    def all(self) -> list[ActorGroup]:
-        return [g for g in (self.policy, self.ref, self.critic) if g is not None]
-
-    def replace(self, fresh: WorkerGroups) -> None:
-        """Take `fresh`'s groups (started after the old ones died): whoever holds this object uses them."""
-        self.policy, self.ref, self.critic = fresh.policy, fresh.ref, fresh.critic
 
 
 class PPOUpdate:

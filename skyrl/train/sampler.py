@@ -102,13 +102,8 @@ class Sampler:
         self._warn(step, groups, drawn)
         metrics = rollout_metrics(episodes, n, seconds)
         if started:
-            staleness = [episode_staleness(e, weight_version) for e in episodes]
-            metrics |= {
-                "async/staleness_mean": float(np.mean(staleness)),
-                "async/staleness_max": float(max(staleness)),
-                "async/dropped_episodes": float(dropped),
-                "async/started_ahead_s": train_ended - min(started) if train_ended else 0.0,
-            }
+            ahead = train_ended - min(started) if train_ended else 0.0
+            metrics |= async_metrics(episodes, weight_version, dropped, ahead)
         excluded: set[str] = set()
         if filter_groups:
             fillers = groups[len(kept) :]
@@ -206,6 +201,53 @@ def env_failure_warning(step: int, episodes: list[Episode], env_failure: str) ->
     )
 
 
+def async_metrics(
+    episodes: list[Episode], weight_version: int, dropped: int, ahead_s: float
+) -> dict[str, float]:
+    """`async/*` of a step trained at `weight_version` on a stream's `episodes`: their staleness, the episodes
+    dropped for exceeding it, how long before the previous step's training ended they began."""
+    staleness = [episode_staleness(e, weight_version) for e in episodes]
+    return {
+        "async/staleness_mean": float(np.mean(staleness)),
+        "async/staleness_max": float(max(staleness)),
+        "async/dropped_episodes": float(dropped),
+        "async/started_ahead_s": ahead_s,
+    }
+
+
 def rewards_tie(group: list[Episode]) -> bool:
     """True when every episode of a prompt group has the same total reward (no learning signal)."""
     return len({round(e.reward, 6) for e in group}) == 1
+
+
+def load_datasets(cfg: SkyRLConfig, tokenizer: Any) -> tuple[PromptDataset, PromptDataset | None]:
+    """Train and eval prompts from files, or generated for the environment when no file is given."""
+    from skyrl.envs import calculator, guess_number
+
+    d, env = cfg.data, cfg.environment
+
+    def generated(num: int, seed: int, source: str) -> PromptDataset:
+        if env.env_class == "guess_number":
+            g = env.config.get("guess_number", {})
+            records = guess_number.make_dataset(num, seed, g.get("min_value", 1), g.get("max_value", 8))
+        elif env.env_class == "calculator":
+            records = calculator.make_dataset(num, seed)
+        else:
+            raise ValueError(
+                f"data.train_path is null but environment.env_class={env.env_class!r} has no prompt generator; "
+                "set data.train_path to a parquet/jsonl file (generators exist for guess_number and calculator)"
+            )
+        return PromptDataset.from_records(records, tokenizer, d.max_prompt_length, source)
+
+    seed = cfg.trainer.seed
+    if d.train_path:
+        train = PromptDataset.from_path(d.train_path, tokenizer, d.max_prompt_length)
+    else:
+        train = generated(d.num_generated_train_prompts, seed, f"generated {env.env_class} train prompts")
+    if d.eval_path:
+        evals = PromptDataset.from_path(d.eval_path, tokenizer, d.max_prompt_length)
+    elif d.train_path is None and (cfg.trainer.eval_interval or cfg.trainer.eval_before_train):
+        evals = generated(d.num_generated_eval_prompts, seed + 1, f"generated {env.env_class} eval prompts")
+    else:
+        evals = None
+    return train, evals

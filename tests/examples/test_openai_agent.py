@@ -5,7 +5,8 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from skyrl.train.config import compose_config
-from skyrl.train.trainer import Trainer, load_datasets
+from skyrl.train.sampler import load_datasets
+from skyrl.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 KV = "generator.inference_engine.kv_cache_memory_bytes=67108864"

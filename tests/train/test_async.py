@@ -9,7 +9,8 @@ from transformers import AutoTokenizer
 
 from skyrl.train.config import compose_config
 from skyrl.train.generator.stream import episode_staleness
-from skyrl.train.trainer import Trainer, load_datasets
+from skyrl.train.sampler import load_datasets
+from skyrl.train.trainer import Trainer
 from skyrl.train.utils.tracking import read_metrics
 from tests.train.test_trainer import SMALL, assert_learns, learning
 

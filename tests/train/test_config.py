@@ -2,7 +2,14 @@ import dataclasses
 
 import pytest
 
-from skyrl.train.config import BatchSizes, ConfigError, validate_batch_sizes
+from skyrl.train.config import (
+    BatchSizes,
+    ConfigError,
+    check_gpu_budget,
+    compose_config,
+    preflight,
+    validate_batch_sizes,
+)
 
 GOOD = BatchSizes(
     train_batch_size=16,
@@ -77,3 +84,37 @@ def test_step_wise_relaxes_per_rank_divisibility():
 def test_step_wise_still_needs_prompt_divisibility():
     with pytest.raises(ConfigError, match=r"not divisible by trainer\.policy_mini_batch_size=5"):
         validate_batch_sizes(with_(policy_mini_batch_size=5, step_wise=True))
+
+
+LAYOUT = [
+    "placement=disaggregated",
+    "trainer.placement.policy_num_gpus_per_node=4",
+    "generator.inference_engine.num_engines=2",
+    "generator.inference_engine.tensor_parallel_size=2",
+]
+
+
+def test_a_layout_that_needs_more_gpus_than_the_cluster_has_is_refused_naming_each_part():
+    cfg = compose_config(LAYOUT)
+    check_gpu_budget(cfg, use_ref=False, use_critic=False, cluster_gpus=8)
+    with pytest.raises(ConfigError, match=r"needs 9 GPUs \(policy .* 4, ref .* 1, engines .* 4\), .* has 8"):
+        check_gpu_budget(cfg, use_ref=True, use_critic=False, cluster_gpus=8)
+    colocated = compose_config(
+        ["trainer.placement.policy_num_gpus_per_node=4", "trainer.algorithm.use_kl_loss=true"]
+    )
+    check_gpu_budget(colocated, use_ref=True, use_critic=False, cluster_gpus=4)  # all share the 4 bundles
+    with pytest.raises(ConfigError, match=r"needs 9 GPUs"):  # preflight asks the same of the cluster
+        preflight(compose_config([*LAYOUT, "trainer.algorithm.use_kl_loss=true"]), {"CPU": 64.0, "GPU": 8.0})
+    preflight(compose_config(LAYOUT), {"CPU": 8.0})  # no GPUs: the engines and workers run on CPUs
+
+
+def test_preflight_refuses_broadcast_between_colocated_gpu_ranks_and_flash_attention_without_its_gpu():
+    broadcast = compose_config(["generator.inference_engine.weight_sync=broadcast"])
+    preflight(broadcast, {"CPU": 8.0})  # gloo on CPU: the ranks may share a node
+    with pytest.raises(ConfigError, match=r"weight_sync=broadcast needs engines on GPUs of their own"):
+        preflight(broadcast, {"CPU": 8.0, "GPU": 1.0})
+    flash = compose_config(["trainer.policy.model.attn_implementation=flash_attention_2"])
+    with pytest.raises(
+        ConfigError, match=r"trainer.policy.model.attn_implementation=flash_attention_2 needs a GPU.* 0 GPUs"
+    ):
+        preflight(flash, {"CPU": 8.0})

@@ -26,16 +26,17 @@ from transformers import AutoTokenizer
 
 import skyrl
 import skyrl.train.__main__ as entry
-import skyrl.train.trainer as trainer_module
 from skyrl.envs import guess_number
 from skyrl.train.algorithms import AdaptiveKLController
+from skyrl.train.cluster import Factories
 from skyrl.train.config import compose_config
 from skyrl.train.dataset.prompt_dataset import PromptDataset
 from skyrl.train.engines import Engines
 from skyrl.train.generator.agent import AgentGenerator
-from skyrl.train.inference import InferenceEngineClient
+from skyrl.train.sampler import load_datasets
 from skyrl.train.schema import SkyRLConfig
-from skyrl.train.trainer import Trainer, load_datasets
+from skyrl.train.trainer import Trainer
+from skyrl.train.weight_sync import WeightSync
 
 PACKAGE = Path(skyrl.__file__).parent
 
@@ -284,7 +285,12 @@ LOSS_KEYS = {
 
 # where a component's code reads its settings
 CODE = {
-    "policy": ["train/workers/fsdp_worker.py", "train/workers/lora.py", "train/workers/persistence.py"],
+    "policy": [
+        "train/workers/fsdp_worker.py",
+        "train/workers/lora.py",
+        "train/workers/persistence.py",
+        "train/workers/weight_export.py",
+    ],
     "ref": ["train/workers/fsdp_worker.py"],
     "critic": ["train/workers/fsdp_worker.py", "train/workers/lora.py", "train/workers/persistence.py"],
     "engine": ["train/inference/client.py", "train/inference/hf_engine.py", "train/inference/vllm_engine.py"],
@@ -294,13 +300,17 @@ CODE = {
     "trainer": [
         "train/trainer.py",
         "train/checkpoints.py",
+        "train/cluster.py",
+        "train/config.py",
         "train/engines.py",
+        "train/recovery.py",
+        "train/weight_sync.py",
         "train/ppo_update.py",
         "train/sampler.py",
         "train/step_batch.py",
         "train/workers/actor_group.py",
     ],
-    "entry": ["train/__main__.py", "train/trainer.py"],
+    "entry": ["train/__main__.py", "train/trainer.py", "train/sampler.py"],
 }
 
 
@@ -391,7 +401,7 @@ EFFECTS = {
     "trainer.run_name": lambda b: b.tracker[3],
     "trainer.train_batch_size": lambda b: b.trainer.sampler.loader.batch_size,
     "generator.sampling.temperature": lambda b: b.workers["policy"].temperature,
-    "generator.inference_engine.weight_sync": lambda b: b.trainer.weight_sync,
+    "generator.inference_engine.weight_sync": lambda b: b.trainer.weight_sync.name,
     "generator.http_endpoint.enabled": lambda b: b.trainer.server is not None,
     "generator.max_engine_restarts": lambda b: b.engine["max_restarts"],
     "generator.agent": lambda b: f"{b.trainer.rollout.agent.__module__}:{b.trainer.rollout.agent.__name__}",
@@ -459,22 +469,25 @@ def build(monkeypatch, tmp_path, tiny_model_path, prompts):
         def placement_group(n, cpus_per_bundle, gpus_per_bundle):
             bundle_cpus.append(cpus_per_bundle)
 
-        def from_config(cfg, model_path, strategies=None, resources=None, max_restarts=0, wait=True):
+        def from_config(cfg, model_path, strategies=None, resources=None, max_restarts=0, wait=True, **hooks):
             engine.update(cfg=cfg, strategies=strategies, resources=resources, max_restarts=max_restarts)
-            return types.SimpleNamespace(wait_until_serving=lambda: None)
+            return types.SimpleNamespace(wait_until_serving=lambda: None, engines=())
 
-        monkeypatch.setattr(trainer_module, "ActorGroup", actor_group)
-        monkeypatch.setattr(trainer_module, "create_placement_group", placement_group)
-        monkeypatch.setattr(trainer_module, "PlacementGroupSchedulingStrategy", dict)
-        monkeypatch.setattr(trainer_module, "Tracker", lambda *args: tracker.extend(args))
-        monkeypatch.setattr(trainer_module.ray, "cluster_resources", lambda: {"CPU": 8.0})
-        monkeypatch.setattr(InferenceEngineClient, "from_config", from_config)
-        monkeypatch.setattr(Trainer, "_pin_to_cores", lambda self: None)
+        factories = Factories(
+            actor_group=actor_group,
+            placement_group=placement_group,
+            bundle_strategy=dict,
+            resources=lambda: {"CPU": 8.0},
+            pin_to_cores=lambda actors, cores: None,
+            engine_client=from_config,
+            tracker=lambda *args: tracker.extend(args),
+        )
+        monkeypatch.setattr(WeightSync, "start", lambda self, engines: None)
         served = types.SimpleNamespace(
             url="http://127.0.0.1:1", cfg=cfg.generator.http_endpoint, model_name="m"
         )
         monkeypatch.setattr(Engines, "serve", lambda self, *args: setattr(self, "server", served))
-        trainer = Trainer(cfg, tmp_path, str(tiny_model_path), (prompts, None))
+        trainer = Trainer(cfg, tmp_path, str(tiny_model_path), (prompts, None), factories)
         trainers.append(trainer)
         return Built(trainer, workers, sizes, bundle_cpus, engine, tuple(tracker))
 

@@ -26,8 +26,8 @@ from skyrl.train.dataset.preprocess import Trajectory, Turn, mask_groups
 from skyrl.train.engines import ENDPOINT_FILE
 from skyrl.train.generator.rollout import Episode
 from skyrl.train.ppo_update import skipped_in_a_row
-from skyrl.train.sampler import rewards_tie
-from skyrl.train.trainer import Trainer, check_gpu_budget, load_datasets
+from skyrl.train.sampler import load_datasets, rewards_tie
+from skyrl.train.trainer import Trainer
 from skyrl.train.utils.errors import ConfigError
 from skyrl.train.utils.tracking import read_metrics
 from skyrl.train.workers.actor_group import WorkerDiedError
@@ -131,7 +131,7 @@ class KillsAPolicyWorker(BeforeTraining):
     at_step, rank = 3, 0
 
     def before_training(self) -> None:
-        if self.step + 1 == self.at_step and not self.worker_restarts:
+        if self.step + 1 == self.at_step and not self.recovery.restarts:
             ray.kill(self.policy.actors[self.rank])
 
 
@@ -179,7 +179,7 @@ def test_lora_learns_guess_number_with_adapter_sync_and_the_disabled_adapter_as_
     ]
     trainer = build(compose_config(overrides), tmp_path / "run", default_model_path)
     try:
-        assert trainer.ref is None and trainer.ref_from_policy
+        assert trainer.ref is None and trainer.cluster.roles.ref_from_policy
         merged_bytes = trainer.policy.run("sync_nbytes", False)[0]
         history = trainer.fit()
     finally:
@@ -213,6 +213,14 @@ def test_resume_after_a_kill_continues_like_an_uninterrupted_run(ray_cluster, ti
     # checkpoint is written (not one of ckpt_interval's) and the loop stops; a second fit resumes from that
     # checkpoint (as a new process would, into the same workers) and trains step 4
     checkpoints = tmp_path / "died" / "checkpoints"
+    # the files and driver state keys the trainer wrote before it became components (a4a8c62): its
+    # checkpoints resume here as these do
+    step_2 = checkpoints / "global_step_2"
+    assert sorted(p.name for p in step_2.iterdir()) == sorted(
+        [CHECKPOINT_DONE, "critic", "driver_rng.pt", "policy", "trainer_state.json"]
+    )
+    state = json.loads((step_2 / "trainer_state.json").read_text())
+    assert state.keys() == {"step", "weight_version", "loader", "kl_coef"}
     (checkpoints / "global_step_4" / CHECKPOINT_DONE).unlink()
     (checkpoints / "global_step_4").rename(checkpoints / "global_step_4.tmp")
     trainer = build(compose_config(common), tmp_path / "died", tiny_model_path, SignalledMidStep)
@@ -364,7 +372,7 @@ def shared_run(ray_cluster, tiny_model_path, tmp_path_factory) -> SimpleNamespac
                 lambda _: ray.get_runtime_context().get_placement_group_id()
             )
         )
-        seen.shared_pg = trainer._shared_pg.id.hex()
+        seen.shared_pg = trainer.cluster._shared_pg.id.hex()
         seen.threads = ray.get(
             [
                 actor.__ray_call__.remote(lambda _: torch.get_num_threads())
@@ -709,21 +717,3 @@ def test_a_dead_worker_rank_ends_the_run_at_once_when_restarts_are_off(
 
     with pytest.raises(WorkerDiedError, match=r"policy worker rank\(s\) \[1\] died .*trainer.max_restarts=0"):
         run(overrides, tmp_path, tiny_model_path, cls=KillsRank1)
-
-
-def test_a_layout_that_needs_more_gpus_than_the_cluster_has_is_refused_naming_each_part():
-    cfg = compose_config(
-        [
-            "placement=disaggregated",
-            "trainer.placement.policy_num_gpus_per_node=4",
-            "generator.inference_engine.num_engines=2",
-            "generator.inference_engine.tensor_parallel_size=2",
-        ]
-    )
-    check_gpu_budget(cfg, use_ref=False, use_critic=False, cluster_gpus=8)
-    with pytest.raises(ConfigError, match=r"needs 9 GPUs \(policy .* 4, ref .* 1, engines .* 4\), .* has 8"):
-        check_gpu_budget(cfg, use_ref=True, use_critic=False, cluster_gpus=8)
-    colocated = compose_config(
-        ["trainer.placement.policy_num_gpus_per_node=4", "trainer.algorithm.use_kl_loss=true"]
-    )
-    check_gpu_budget(colocated, use_ref=True, use_critic=False, cluster_gpus=4)  # all share the 4 bundles

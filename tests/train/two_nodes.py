@@ -17,7 +17,8 @@ from ray.cluster_utils import Cluster
 from transformers import AutoTokenizer
 
 from skyrl.train.config import compose_config
-from skyrl.train.trainer import Trainer, load_datasets
+from skyrl.train.sampler import load_datasets
+from skyrl.train.trainer import Trainer
 
 NODES = {"node_a": 2, "node_b": 3}  # custom resource -> CPUs
 

@@ -26,6 +26,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import ray
@@ -106,12 +107,16 @@ def create_engine(
     return actor_class.options(**options).remote(cfg, str(model_path))
 
 
-def resolve_engine_config(cfg: InferenceEngineConfig) -> InferenceEngineConfig:
-    """Validate `cfg` and pin `backend` and `device` (`auto` resolved against what is installed and the cluster)."""
+def resolve_engine_config(
+    cfg: InferenceEngineConfig, cluster_gpus: float | None = None
+) -> InferenceEngineConfig:
+    """Validate `cfg` and pin `backend` and `device` (`auto` resolved against what is installed and the
+    cluster's `cluster_gpus`, by default asked of Ray)."""
     validate_engine_config(cfg)
     device = cfg.device
     if device == "auto":
-        device = "cuda" if ray.cluster_resources().get("GPU", 0) >= cfg.tensor_parallel_size else "cpu"
+        gpus = ray.cluster_resources().get("GPU", 0) if cluster_gpus is None else cluster_gpus
+        device = "cuda" if gpus >= cfg.tensor_parallel_size else "cpu"
     return dataclasses.replace(cfg, backend=resolve_backend(cfg), device=device)
 
 
@@ -132,6 +137,8 @@ class InferenceEngineClient:
         ranks_per_engine: int = 1,
         max_restarts: int = 0,
         starting: Callable[[], None] | None = None,  # blocks until the engines serve (`from_config`)
+        restore_weights: Callable[[InferenceEngineClient], Awaitable[None]] | None = None,
+        on_restart: Callable[[InferenceEngineClient, int], None] | None = None,
     ) -> None:
         assert engines, "a client needs at least one engine"
         self._engines = list(engines)
@@ -151,11 +158,11 @@ class InferenceEngineClient:
             max_restarts  # dead engines `generate` restarts itself (generator.max_engine_restarts)
         )
         self.restarts = 0
-        # called (in a thread) with a restarted engine's index, e.g. to pin it to cores
-        self.on_restart: Callable[[int], None] | None = None
         # re-sends the sender's current weights to every engine at `weight_version` (broadcast: in a new
         # group), for the syncs that keep no copy; without it their engines are not restarted
-        self.weight_restorer: Callable[[], Awaitable[None]] | None = None
+        self._restore_weights = restore_weights
+        # called (in a thread) with a restarted engine's index, e.g. to pin it to cores
+        self._on_restart = on_restart
         self._restarting: dict[int, asyncio.Future] = {}  # restarts in progress, by engine index
         self._restart_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
         self._starting = starting
@@ -169,12 +176,15 @@ class InferenceEngineClient:
         resources: Mapping[str, float] | None = None,
         max_restarts: int = 0,
         wait: bool = True,
+        restore_weights: Callable[[InferenceEngineClient], Awaitable[None]] | None = None,
+        on_restart: Callable[[InferenceEngineClient, int], None] | None = None,
     ) -> InferenceEngineClient:
         """Start `cfg.num_engines` engine actors, wait until they serve, and return a client that can restart them.
 
         `scheduling_strategies[i]` (e.g. a placement group bundle) places engine i; `resources` as in
         `create_engine`; `max_restarts` dead engines are restarted by `generate` itself. With
         `wait=False` the engines start while the caller goes on; it calls `wait_until_serving` before use.
+        `restore_weights` and `on_restart` are the restart hooks (`restart_engine`).
         """
         cfg = resolve_engine_config(cfg)
         strategies = list(scheduling_strategies or [None] * cfg.num_engines)
@@ -182,20 +192,6 @@ class InferenceEngineClient:
 
         def start(index: int) -> ActorHandle:
             return create_engine(cfg, model_path, strategies[index], resources)
-
-        def restart(index: int) -> ActorHandle:
-            # its predecessor's process may still hold the GPU memory: a failed start is tried again
-            for _ in range(RESTART_ATTEMPTS - 1):
-                engine = start(index)
-                try:
-                    wait_until_serving([engine], cfg, resources)
-                    return engine
-                except ray.exceptions.RayActorError as error:
-                    logger.warning("a restarted engine %d failed to start (%s); trying again", index, error)
-                    time.sleep(RESTART_BACKOFF_S)
-            engine = start(index)
-            wait_until_serving([engine], cfg, resources)
-            return engine
 
         engines = [start(i) for i in range(cfg.num_engines)]  # they start in parallel
 
@@ -213,10 +209,12 @@ class InferenceEngineClient:
         client = cls(
             engines,
             cfg.max_concurrent_requests,
-            restart,
+            partial(_restarted, start, cfg, resources),
             ranks_per_engine=cfg.tensor_parallel_size,
             max_restarts=max_restarts,
             starting=starting,
+            restore_weights=restore_weights,
+            on_restart=on_restart,
         )
         if wait:
             client.wait_until_serving()
@@ -498,17 +496,17 @@ class InferenceEngineClient:
 
         Only for clients built by `from_config`. After `update_weights` the client keeps the latest
         update in the object store and applies it; after a broadcast or shared-memory sync it keeps
-        no copy and awaits `weight_restorer()`, which re-sends the weights to every engine (broadcast
-        engines first join a new group: a group has a fixed size); without one the restart is
-        refused. Requests for the engine wait until it holds the current weights (when `generate`
-        restarted it).
+        no copy and awaits `restore_weights(client)`, which re-sends the weights to every engine
+        (broadcast engines first join a new group: a group has a fixed size); without one the restart
+        is refused. Then `on_restart(client, index)` runs in a thread. Requests for the engine wait
+        until it holds the current weights (when `generate` restarted it).
         """
         needs_restorer = self._in_sync_group or bool(self._weight_version and self._latest_weights is None)
-        if needs_restorer and self.weight_restorer is None:
+        if needs_restorer and self._restore_weights is None:
             if self._in_sync_group:
                 raise RuntimeError(
                     "engines in a broadcast weight-sync group cannot be restarted one by one (the group has a "
-                    "fixed size) without a weight_restorer to form a new one; restart the run, which resumes "
+                    "fixed size) without restore_weights to form a new one; restart the run, which resumes "
                     "from its last checkpoint."
                 )
             raise RuntimeError(
@@ -527,10 +525,10 @@ class InferenceEngineClient:
             await engine.update_weights.remote(self._latest_weights, self._weight_version)
         self._engines[index] = engine  # its requests in flight failed and were counted out
         if needs_restorer:
-            assert self.weight_restorer is not None
-            await self.weight_restorer()
-        if self.on_restart is not None:
-            await asyncio.to_thread(self.on_restart, index)
+            assert self._restore_weights is not None
+            await self._restore_weights(self)
+        if self._on_restart is not None:
+            await asyncio.to_thread(self._on_restart, self, index)
         logger.info("restarted inference engine %d", index)
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
@@ -542,6 +540,27 @@ class InferenceEngineClient:
             logger.warning("an inference engine did not shut down cleanly: %s", exc)
         for engine in self._engines:
             ray.kill(engine, no_restart=True)
+
+
+def _restarted(
+    start: Callable[[int], ActorHandle],
+    cfg: InferenceEngineConfig,
+    resources: Mapping[str, float] | None,
+    index: int,
+) -> ActorHandle:
+    """A new serving engine for slot `index`; its predecessor's process may still hold the GPU memory, so a
+    failed start is tried again."""
+    for _ in range(RESTART_ATTEMPTS - 1):
+        engine = start(index)
+        try:
+            wait_until_serving([engine], cfg, resources)
+            return engine
+        except ray.exceptions.RayActorError as error:
+            logger.warning("a restarted engine %d failed to start (%s); trying again", index, error)
+            time.sleep(RESTART_BACKOFF_S)
+    engine = start(index)
+    wait_until_serving([engine], cfg, resources)
+    return engine
 
 
 async def _stop(engine: ActorHandle, timeout_s: float = 30.0) -> None:

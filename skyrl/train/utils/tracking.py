@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import secrets
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,3 +94,22 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
             record = json.loads(line)
             by_step.setdefault(int(record["step"]), {}).update(record)
     return [by_step[s] for s in sorted(by_step)]
+
+
+def step_line(step: int, m: dict[str, Any]) -> str:
+    """The console line of a step's metrics `m`."""
+    timing = " ".join(
+        f"{k[7:-2]} {v:.1f}s" for k, v in m.items() if k.startswith("timing/") and k != "timing/generate_s"
+    )
+    return (
+        f"step {step}: reward {m['reward/mean']:.3f} turns {m['episode/turns']:.2f} "
+        f"generate {m['timing/generate_s']:.1f}s {timing} grad_norm {m.get('policy/grad_norm', float('nan')):.3f}"
+    )
+
+
+@contextlib.contextmanager
+def timed(timings: dict[str, float], name: str) -> Iterator[None]:
+    """Time the block into `timings[name]` (seconds)."""
+    start = time.perf_counter()
+    yield
+    timings[name] = time.perf_counter() - start

@@ -11,21 +11,15 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import importlib.util
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from skyrl.train.algorithms import (
@@ -48,16 +42,13 @@ from skyrl.train.schema import (
 )
 from skyrl.train.training_batch import TrainingInputBatch, partition_rows, row_groups
 from skyrl.train.utils.seqlen_balancing import attention_aware_cost, attention_cost_weight
-from skyrl.train.workers import persistence
+from skyrl.train.workers import persistence, weight_export
 from skyrl.train.workers.attention import HF_NAME as VARLEN_HF_NAME
 from skyrl.train.workers.attention import register_varlen
 from skyrl.train.workers.layout import TokenLayout, build_layout, plan_micro_batches, unit_tokens
 from skyrl.train.workers.lora import (
-    adapter_tensors,
     adapters_disabled,
     add_adapters,
-    is_adapter_name,
-    merge_adapters,
 )
 
 if TYPE_CHECKING:  # the weight-sync helpers import Ray: a worker loads them only when it syncs
@@ -88,12 +79,6 @@ class TokenModel(torch.nn.Module):
             **layout.attention_kwargs(),
         ).last_hidden_state
         return head(hidden.flatten(0, 1).index_select(0, layout.index))
-
-
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor: gathered from its shards (a DTensor), or a copy of an unsharded one (never a view
-    of live weights)."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach().clone()
 
 
 def head_chunk(
@@ -221,14 +206,6 @@ class FSDPWorker:
         torch.manual_seed(self.cfg.seed)
         settings = self.section.model
         implementation = settings.attn_implementation
-        if implementation == "flash_attention_2" and (
-            self.device.type != "cuda" or importlib.util.find_spec("flash_attn") is None
-        ):
-            raise ValueError(
-                f"trainer.{self.role}.model.attn_implementation=flash_attention_2 needs a GPU and the flash-attn "
-                f"package (device {self.device.type}, flash_attn "
-                f"{'missing' if importlib.util.find_spec('flash_attn') is None else 'installed'}); use sdpa"
-            )
         self.packed = implementation in PACKED_ATTENTION  # varlen kernels: no padding at all
         if implementation == "varlen":
             register_varlen()
@@ -400,121 +377,42 @@ class FSDPWorker:
             return data
         return data.select_rows(partition_rows(data, dp_size, balance, cost_weight)[self.rank])
 
-    # ---- inspection, export ----
-    def full_state_dict(self, dtype: str | None = None) -> dict[str, torch.Tensor] | None:
-        """The whole model's weights on rank 0, on CPU, under the checkpoint's names (with LoRA: merged,
-        base + alpha / rank * B @ A), cast to `dtype` (e.g. an engine's `bfloat16`) when given;
-        collective, None elsewhere."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(self.model, options=options)
-        if self.rank != 0:
-            return None
-        if not self.sharded:  # the live parameters themselves: copies, as FSDP's gather makes
-            state = {name: t.clone() for name, t in state.items()}
-        return self._engine_group(state, dtype)
-
-    def adapter_state_dict(self, scaled: bool = True) -> dict[str, torch.Tensor] | None:
-        """LoRA only: the adapters on rank 0, on CPU, as `<module>.lora_A.weight` / `.lora_B.weight`, B
-        times alpha / rank when `scaled` (what engines load; see `inference.weights`); collective, None
-        elsewhere. Only the adapters are gathered."""
-        state = self._gathered(name for name, _ in self.model.named_parameters() if is_adapter_name(name))
-        if self.rank != 0:
-            return None
-        return adapter_tensors(state, self.lora_scaling if scaled else 1.0)
-
-    def sync_nbytes(self, adapters: bool, dtype: str | None = None) -> int:
-        """Bytes one weight sync sends each engine: the LoRA adapters (`adapters`), or the (merged) weights
-        in `dtype` (default: the workers')."""
-        if adapters:
-            tensors = [p for name, p in self.model.named_parameters() if is_adapter_name(name)]
-        else:
-            tensors = [t for group in self._engine_groups_meta(dtype) for t in group.values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    def _gathered(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        """Whole copies of the named parameters, on CPU (collective: every rank, the same names)."""
-        params = dict(self.model.named_parameters())
-        return {name: _whole(params[name]).detach().cpu() for name in names}
-
     def _trainable(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def _param_groups(self) -> list[dict[str, torch.Tensor]]:
-        # the state dict, not named_parameters: a tied lm_head must travel under its own name too
-        groups: dict[str, dict[str, torch.Tensor]] = {}
-        for name, param in self.model.state_dict().items():
-            parts = name.split(".")
-            key = ".".join(parts[:3]) if parts[:2] == ["model", "layers"] else "other"
-            groups.setdefault(key, {})[name] = param
-        return list(groups.values())
+    # ---- weights for the engines (skyrl.train.workers.weight_export) ----
+    def full_state_dict(self, dtype: str | None = None) -> dict[str, torch.Tensor] | None:
+        """The whole model on rank 0, on CPU, under the checkpoint's names, LoRA merged, in `dtype` when
+        given (collective; None elsewhere)."""
+        return weight_export.full_state_dict(self, dtype)
 
-    def _engine_group(self, group: dict[str, torch.Tensor], dtype: str | None) -> dict[str, torch.Tensor]:
-        """A weight group as engines take it: the checkpoint's names, adapters merged (LoRA), in `dtype`
-        when given (fp32 master weights sent to a bf16 engine would cost twice the bytes)."""
-        group = merge_adapters(group, self.lora_scaling) if self.lora is not None else group
-        return {name: t.to(getattr(torch, dtype)) for name, t in group.items()} if dtype else group
+    def adapter_state_dict(self, scaled: bool = True) -> dict[str, torch.Tensor] | None:
+        """LoRA only: the adapters on rank 0, B times alpha / rank when `scaled` (collective; None elsewhere)."""
+        return weight_export.adapter_state_dict(self, scaled)
 
-    def _engine_groups_meta(self, dtype: str | None = None) -> list[dict[str, torch.Tensor]]:
-        """What `iter_weight_groups(dtype)` yields, as meta tensors (names, shapes, dtypes; no communication)."""
-        return [
-            self._engine_group(
-                {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in group.items()}, dtype
-            )
-            for group in self._param_groups()
-        ]
+    def sync_nbytes(self, adapters: bool, dtype: str | None = None) -> int:
+        """Bytes one weight sync sends each engine: the adapters, or the weights in `dtype`."""
+        return weight_export.sync_nbytes(self, adapters, dtype)
 
     def iter_weight_groups(self, dtype: str | None = None) -> Iterator[dict[str, torch.Tensor]]:
-        """Full weights one decoder layer at a time (then the rest), for streaming to engines; with LoRA
-        merged (base + alpha / rank * B @ A) under the checkpoint's names; in `dtype` when given.
-
-        A layer travels whole, so fused engine weights (q/k/v, gate/up) arrive together.
-        Collective: every rank iterates; the tensors are complete on every rank.
-        """
-        for params in self._param_groups():
-            full = {name: _whole(p) for name, p in params.items()}
-            yield self._engine_group(full, dtype)
-
-    # ---- broadcast weight sync ----
-    def init_weight_sync(self, group: WeightSyncGroup) -> None:
-        """Rank 0 joins the engines' weight-sync group as its sender (rank 0); other ranks do nothing."""
-        from skyrl.train.inference.weight_sync import init_sync_group, sync_device
-
-        if self.rank == 0:
-            self._sync_group = init_sync_group(group, 0)
-            self._sync_device = sync_device(group.backend)  # NCCL sends CUDA tensors (cpu_offload: copies)
+        """Full weights one decoder layer at a time, as engines take them (collective)."""
+        return weight_export.iter_weight_groups(self, dtype)
 
     def weight_stream_spec(self, dtype: str | None = None) -> StreamSpec:
-        """What `broadcast_weights(dtype)` and `share_weights(..., dtype)` send, in order (full shapes; no
-        communication)."""
-        from skyrl.train.inference.weights import stream_spec
+        """What `broadcast_weights(dtype)` and `share_weights(..., dtype)` send, in order."""
+        return weight_export.weight_stream_spec(self, dtype)
 
-        return stream_spec(self._engine_groups_meta(dtype))
+    def init_weight_sync(self, group: WeightSyncGroup) -> None:
+        """Rank 0 joins the engines' broadcast group as its sender."""
+        weight_export.init_weight_sync(self, group)
 
     def broadcast_weights(self, dtype: str | None = None) -> None:
-        """Collective over the ranks: gather one weight group at a time (in `dtype` when given); rank 0
-        broadcasts it to the engines."""
-        from skyrl.train.inference.weight_sync import send_group
+        """Rank 0 broadcasts the weights group by group to the engines' sync group (collective)."""
+        weight_export.broadcast_weights(self, dtype)
 
-        for group in self.iter_weight_groups(dtype):
-            if self.rank == 0:
-                send_group(self._sync_group, (t.to(self._sync_device) for t in group.values()))
-
-    # ---- shared-memory weight sync (colocated engines) ----
     def share_weights(self, engines: Sequence[Any], version: int, dtype: str | None = None) -> None:
-        """Collective over the ranks: gather one weight group at a time (in `dtype` when given); rank i
-        hands it to `engines[i]` (colocated on its bundle) through shared memory and waits until it is
-        loaded (see `shared_weights`); the last group carries `version`. Ranks without an engine only
-        gather. The buffer is on this rank's device (CUDA IPC on GPU, also with cpu_offload)."""
-        from skyrl.train.inference.shared_weights import packed_nbytes, send_shared
-
-        groups = self.iter_weight_groups(dtype)
-        try:
-            if self.rank < len(engines):
-                nbytes = max(packed_nbytes(g.values()) for g in self._engine_groups_meta(dtype))
-                send_shared(engines[self.rank], groups, nbytes, self.device, version)
-        finally:
-            for _ in groups:  # after a failure too: the other ranks are in the same collectives
-                pass
+        """Rank i hands the weights group by group to colocated `engines[i]` through shared memory (collective)."""
+        weight_export.share_weights(self, engines, version, dtype)
 
     # ---- persistence (skyrl.train.workers.persistence) ----
     def save_hf_model(self, path: str) -> None:
@@ -688,7 +586,10 @@ class TrainableWorker(FSDPWorker, abc.ABC):
     def gradient_vector(self) -> torch.Tensor | None:
         """The full flattened gradient of the trained parameters (LoRA: the adapters) of the last
         mini-batch trained with `keep_gradients` on rank 0 (collective; None elsewhere)."""
-        grads = [_whole(p.grad) if p.grad is not None else torch.zeros(p.shape) for p in self._trainable()]
+        grads = [
+            weight_export.whole(p.grad) if p.grad is not None else torch.zeros(p.shape)
+            for p in self._trainable()
+        ]
         return torch.cat([g.flatten().cpu() for g in grads]) if self.rank == 0 else None
 
 

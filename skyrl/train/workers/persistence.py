@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from skyrl.train.workers import weight_export
 from skyrl.train.workers.lora import is_adapter_name
 
 if TYPE_CHECKING:
@@ -56,9 +57,10 @@ def save_hf_model(worker: FSDPWorker, path: str) -> None:
         from skyrl.train.inference.weights import save_peft_adapter
 
         adapters = worker.adapter_state_dict(scaled=False)
-        full = worker._gathered(
+        trained = (
             n for n, p in worker.model.named_parameters() if p.requires_grad and not is_adapter_name(n)
         )
+        full = weight_export.gathered(worker, trained)
         merged = worker.full_state_dict() if worker.cfg.export_merged else None
         if worker.rank == 0:
             save_peft_adapter(path, adapters, worker.lora.alpha, worker.model_path, full)

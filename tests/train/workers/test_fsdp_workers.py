@@ -296,17 +296,6 @@ def test_a_bundle_no_node_can_hold_fails_at_once_naming_the_largest_node(ray_clu
         create_placement_group(1, cpus_per_bundle=100, timeout_s=600)
 
 
-def test_flash_attention_without_a_gpu_is_refused_naming_the_key(tiny_model_path):
-    cfg = TrainerConfig()
-    cfg.policy.model.attn_implementation = "flash_attention_2"
-    cfg.placement.cpus_per_worker = torch.get_num_threads()  # the worker sets this process's threads
-    worker = PolicyWorker(cfg, 0, 1, str(tiny_model_path))
-    with pytest.raises(
-        ValueError, match=r"trainer.policy.model.attn_implementation=flash_attention_2 needs a GPU"
-    ):
-        worker.init_model()
-
-
 def test_off_policy_weights_scale_the_policy_gradient_term(policy_dp2):
     batch, bounds = stepwise_batch(512)
     policy_dp2.run("init_model")
