@@ -308,6 +308,8 @@ class OpenAIServerConfig:
     port 0 picks a free port. api_key None serves without authentication;
     otherwise requests need `Authorization: Bearer <api_key>`. served_model_name
     None means the model path. default_max_tokens applies when a request sets none.
+    tool_parser: vLLM's tool-call parser for requests with `tools` (e.g. hermes for Qwen2.5); auto:
+    hermes when the chat template writes `<tool_call>` tags, else none (such requests get a 400).
     """
 
     enabled: bool = False
@@ -316,6 +318,7 @@ class OpenAIServerConfig:
     api_key: str | None = None
     served_model_name: str | None = None
     default_max_tokens: int = 512
+    tool_parser: str = "auto"
 
 
 ENV_FAILURE_MODES = ("mask", "zero_reward")

@@ -99,6 +99,7 @@ class _Session:
     params: SamplingParams  # the run's sampling for this session; requests lower max_tokens, add stops
     turns: list[Turn] = field(default_factory=list)
     history: list[Message] | None = None  # the last chat request's messages and its answer
+    tools: list[dict[str, Any]] | None = None  # the tools the last chat request offered
     last: Turn | None = None  # the turn that answered it
 
 
@@ -145,6 +146,7 @@ class AgentSessions:
         messages: list[Message] | None,
         params: SamplingParams,
         n: int,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[list[int], SamplingParams] | None:
         session = self._session(session_id)
         if session is None:
@@ -153,7 +155,7 @@ class AgentSessions:
             raise APIError(400, f"n={n}: a training session records one answer per request; send n=1")
         if prompt_ids is None:
             assert messages is not None, "a chat request comes with its messages"
-            prompt_ids = self._chat_prompt(session, messages)
+            prompt_ids = self._chat_prompt(session, messages, tools)
         budget = self.max_input_length - len(prompt_ids)
         if budget < 1:
             raise APIError(
@@ -170,19 +172,23 @@ class AgentSessions:
             seed=params.seed,
         )
 
-    def _chat_prompt(self, session: _Session, messages: list[Message]) -> list[int]:
+    def _chat_prompt(
+        self, session: _Session, messages: list[Message], tools: list[dict[str, Any]] | None
+    ) -> list[int]:
         """The session's context continued token for token when `messages` extend its last request and
-        answer, else `messages` rendered afresh."""
+        answer with the same `tools`, else `messages` rendered afresh."""
         history, last = session.history, session.last
+        continued = history is not None and last is not None and session.tools == tools
+        session.tools = tools
         try:
-            if history is not None and last is not None and messages[: len(history)] == history:
+            if continued and messages[: len(history)] == history:
                 return (
                     last.context_ids
                     + last.response_ids
                     + self.template.close_turn(last.response_ids)
                     + self.template.observation(messages[len(history) :])
                 )
-            return self.template.prompt(messages)
+            return self.template.prompt(messages, tools)
         except Exception as exc:  # template errors depend on the agent's messages
             raise APIError(400, f"the chat template failed on these messages: {exc}") from exc
 
@@ -192,12 +198,12 @@ class AgentSessions:
         prompt_ids: list[int],
         messages: list[Message] | None,
         outputs: list[GenerationOutput],
-        texts: list[str],
+        answers: list[dict[str, Any]],
     ) -> None:
         session = self._session(session_id)
         if session is None:
             return
-        (out,), (text,) = outputs, texts
+        (out,), (answer,) = outputs, answers
         if not out.response_ids:  # aborted: nothing generated
             return
         turn = Turn(
@@ -210,7 +216,7 @@ class AgentSessions:
         )
         session.turns.append(turn)
         if messages is not None:
-            session.history = [*messages, {"role": "assistant", "content": text}]
+            session.history = [*messages, answer]
             session.last = turn
 
 

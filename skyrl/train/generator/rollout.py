@@ -116,17 +116,24 @@ class ChatTemplateDelta:
         self.base_length = len(base)
         self.turn_suffix = base[len(base) - base[::-1].index(eos) - 1 :]  # eos and what follows it
 
-    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         try:
             key = (add_generation_prompt, *(tuple(sorted(m.items())) for m in messages))
             hash(key)
-        except TypeError:  # e.g. a list of content parts: rendered every time
+        except TypeError:  # e.g. a list of content parts or tool calls: rendered every time
+            key = None
+        if tools:
             key = None
         if key in self._cache:
             self._cache.move_to_end(key)
             return list(self._cache[key])
         ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True
         )
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         if key is not None:
@@ -135,8 +142,8 @@ class ChatTemplateDelta:
                 self._cache.popitem(last=False)
         return list(ids)
 
-    def prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        return self._render(messages, add_generation_prompt=True)
+    def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self._render(messages, add_generation_prompt=True, tools=tools)
 
     def close_turn(self, response_ids: list[int]) -> list[int]:
         return self.turn_suffix[1:] if response_ids and response_ids[-1] == self.eos else self.turn_suffix

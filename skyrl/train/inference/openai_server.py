@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP endpoint over an `InferenceEngineClient`.
 
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`
-(non-streaming). Chat prompts are built with the tokenizer's chat template.
+(non-streaming). Chat prompts are built with the tokenizer's chat template, with the request's
+`tools`; answers carry parsed `tool_calls` (OpenAI function calling, see `inference.tools`).
 Beyond the OpenAI fields, requests may set `top_k` and `stop_token_ids`, the
 `X-Session-Id` header keeps a multi-turn session on one engine, and responses
 carry `prompt_token_ids` and per-choice `token_ids`, so external harnesses can
@@ -16,9 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import time
 import uuid
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,6 +30,7 @@ from pydantic import BaseModel, Field
 from skyrl.train.inference.client import EngineDeadError, InferenceEngineClient
 from skyrl.train.inference.config import validate_server_config
 from skyrl.train.inference.engine import GenerationOutput, SamplingParams
+from skyrl.train.inference.tools import ToolCalls, ToolRequestError, check_tool_choice, template_messages
 from skyrl.train.schema import OpenAIServerConfig
 
 # How long an idle client connection stays open. Agents idle while the run trains; with uvicorn's
@@ -55,15 +58,53 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = Field(default=None, ge=0)
 
 
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     role: str
-    content: str
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class APIError(Exception):
@@ -80,29 +121,30 @@ class SessionRecorder(Protocol):
     """What a trainer keeps of the sessions (`X-Session-Id`) it runs through the endpoint.
 
     `prepare` sees each request before it generates: for a session it runs it returns the prompt
-    ids and sampling parameters to generate with (a chat request comes with `messages` and
-    `prompt_ids=None`: the recorder renders them), for any other None (the request is served as
-    usual); it may raise `APIError` (e.g. 409 for a session that has ended). `record` gets what a
-    request of its session generated; `messages` is None for a completions request, `texts` are the
-    choices' texts as answered.
+    ids and sampling parameters to generate with (a chat request comes with `messages` in the chat
+    template's form, its `tools` and `prompt_ids=None`: the recorder renders them), for any other None
+    (the request is served as usual); it may raise `APIError` (e.g. 409 for a session that has ended).
+    `record` gets what a request of its session generated; `messages` is None for a completions
+    request, `answers` are the choices as answered, assistant messages in the chat template's form.
     """
 
     def prepare(
         self,
         session_id: str,
         prompt_ids: list[int] | None,
-        messages: list[dict[str, str]] | None,
+        messages: list[dict[str, Any]] | None,
         params: SamplingParams,
         n: int,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[list[int], SamplingParams] | None: ...
 
     def record(
         self,
         session_id: str,
         prompt_ids: list[int],
-        messages: list[dict[str, str]] | None,
+        messages: list[dict[str, Any]] | None,
         outputs: list[GenerationOutput],
-        texts: list[str],
+        answers: list[dict[str, Any]],
     ) -> None: ...
 
 
@@ -129,6 +171,7 @@ class OpenAIServer:
         self.client = client
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model_name = self.cfg.served_model_name or str(model_path)
+        self.tool_calls = ToolCalls(self.tokenizer, self.cfg.tool_parser)
         self.app = self._build_app()
         self._server: Any = None
         self._task: asyncio.Task | None = None
@@ -228,14 +271,14 @@ class OpenAIServer:
             else:
                 prompt_ids = body.prompt
             params = self._sampling_params(body, body.max_tokens, logprobs=body.logprobs is not None)
-            prompt_ids, outputs, texts = await self._generate(
+            prompt_ids, outputs, answers = await self._generate(
                 prompt_ids, None, params, body.n, request.headers.get("x-session-id")
             )
             choices = []
-            for i, (out, text) in enumerate(zip(outputs, texts, strict=True)):
+            for i, (out, answer) in enumerate(zip(outputs, answers, strict=True)):
                 choice: dict[str, Any] = {
                     "index": i,
-                    "text": text,
+                    "text": answer["content"],
                     "finish_reason": out.stop_reason,
                     "token_ids": out.response_ids,
                     "logprobs": None,
@@ -251,36 +294,69 @@ class OpenAIServer:
         @app.post("/v1/chat/completions")
         async def chat_completions(body: ChatCompletionRequest, request: Request) -> dict:
             self._check_model(body.model)
-            messages = [m.model_dump() for m in body.messages]
+            messages, tools = self._chat_request(body)
             params = self._sampling_params(
                 body, body.max_completion_tokens or body.max_tokens, logprobs=body.logprobs
             )
-            prompt_ids, outputs, texts = await self._generate(
-                None, messages, params, body.n, request.headers.get("x-session-id")
+            session_id = request.headers.get("x-session-id")
+            prompt_ids, outputs, answers = await self._generate(
+                None, messages, params, body.n, session_id, tools, body.parallel_tool_calls
             )
-            choices = []
-            for i, (out, text) in enumerate(zip(outputs, texts, strict=True)):
-                logprobs = None
-                if out.logprobs is not None:
-                    tokens = self.tokenizer.convert_ids_to_tokens(out.response_ids)
-                    logprobs = {
-                        "content": [
-                            {"token": t, "logprob": lp, "top_logprobs": []}
-                            for t, lp in zip(tokens, out.logprobs, strict=True)
-                        ]
-                    }
-                choices.append(
-                    {
-                        "index": i,
-                        "message": {"role": "assistant", "content": text},
-                        "finish_reason": out.stop_reason,
-                        "token_ids": out.response_ids,
-                        "logprobs": logprobs,
-                    }
-                )
+            choices = [
+                self._chat_choice(i, out, answer)
+                for i, (out, answer) in enumerate(zip(outputs, answers, strict=True))
+            ]
             return self._response("chat.completion", prompt_ids, outputs, choices)
 
         return app
+
+    def _chat_request(
+        self, body: ChatCompletionRequest
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """The request's messages in the chat template's form and the tools offered to the model (none
+        with `tool_choice="none"`); `APIError` 400 for inconsistent tools, tool choice or messages."""
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+        choice = body.tool_choice
+        try:
+            check_tool_choice(tools, choice.model_dump() if isinstance(choice, BaseModel) else choice)
+            tools = None if choice == "none" else tools
+            self.tool_calls.check(tools)
+            return template_messages([m.model_dump(exclude_none=True) for m in body.messages]), tools
+        except ToolRequestError as exc:
+            raise APIError(400, str(exc)) from exc
+
+    def _chat_choice(self, index: int, out: GenerationOutput, answer: dict[str, Any]) -> dict[str, Any]:
+        """A chat completion's choice: the answer as OpenAI's message (tool-call arguments as JSON strings,
+        `finish_reason` "tool_calls" when it ended in calls) with its token ids and logprobs."""
+        logprobs = None
+        if out.logprobs is not None:
+            tokens = self.tokenizer.convert_ids_to_tokens(out.response_ids)
+            logprobs = {
+                "content": [
+                    {"token": t, "logprob": lp, "top_logprobs": []}
+                    for t, lp in zip(tokens, out.logprobs, strict=True)
+                ]
+            }
+        message: dict[str, Any] = {"role": "assistant", "content": answer.get("content")}
+        calls = answer.get("tool_calls")
+        if calls:
+            message["tool_calls"] = [
+                {
+                    **c,
+                    "function": {
+                        **c["function"],
+                        "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False),
+                    },
+                }
+                for c in calls
+            ]
+        return {
+            "index": index,
+            "message": message,
+            "finish_reason": "tool_calls" if calls and out.stop_reason == "stop" else out.stop_reason,
+            "token_ids": out.response_ids,
+            "logprobs": logprobs,
+        }
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -310,10 +386,10 @@ class OpenAIServer:
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
 
-    def _render(self, messages: list[dict[str, str]]) -> list[int]:
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         try:
             return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
             )
         except Exception as exc:  # template errors depend on the user's messages
             raise APIError(400, f"the chat template failed on these messages: {exc}") from exc
@@ -321,33 +397,38 @@ class OpenAIServer:
     async def _generate(
         self,
         prompt_ids: list[int] | None,
-        messages: list[dict[str, str]] | None,
+        messages: list[dict[str, Any]] | None,
         params: SamplingParams,
         n: int,
         session_id: str | None,
-    ) -> tuple[list[int], list[GenerationOutput], list[str]]:
-        """The prompt ids generated from (`messages` rendered when None), the `n` outputs and their
-        texts; the recorder sees the requests of its sessions before and after."""
+        tools: list[dict[str, Any]] | None = None,
+        parallel_tool_calls: bool = True,
+    ) -> tuple[list[int], list[GenerationOutput], list[dict[str, Any]]]:
+        """The prompt ids generated from (`messages` rendered with `tools` when None), the `n` outputs
+        and their answers (assistant messages, tool calls parsed when `tools` were offered); the recorder
+        sees the requests of its sessions before and after."""
         await self._open.wait()
         self._generating += 1
         self._idle.clear()
         try:
             recorder = self.recorder if session_id is not None else None
-            prepared = recorder.prepare(session_id, prompt_ids, messages, params, n) if recorder else None
+            prepared = (
+                recorder.prepare(session_id, prompt_ids, messages, params, n, tools) if recorder else None
+            )
             if prepared is not None:
                 prompt_ids, params = prepared
             elif prompt_ids is None:
                 assert messages is not None
-                prompt_ids = self._render(messages)
+                prompt_ids = self._render(messages, tools)
             outputs = list(
                 await asyncio.gather(
                     *(self.client.generate(prompt_ids, params, session_id) for _ in range(n))
                 )
             )
-            texts = [self._text(out, params) for out in outputs]
+            answers = [self._answer(out, params, tools, parallel_tool_calls) for out in outputs]
             if prepared is not None:
-                recorder.record(session_id, prompt_ids, messages, outputs, texts)
-            return prompt_ids, outputs, texts
+                recorder.record(session_id, prompt_ids, messages, outputs, answers)
+            return prompt_ids, outputs, answers
         except EngineDeadError as exc:
             raise APIError(503, str(exc), "engine_unavailable", "server_error") from exc
         except ValueError as exc:
@@ -357,11 +438,29 @@ class OpenAIServer:
             if not self._generating:
                 self._idle.set()
 
-    def _text(self, out: GenerationOutput, params: SamplingParams) -> str:
-        text = self.tokenizer.decode(out.response_ids, skip_special_tokens=True)
+    def _text(self, out: GenerationOutput, params: SamplingParams, skip_special_tokens: bool = True) -> str:
+        text = self.tokenizer.decode(out.response_ids, skip_special_tokens=skip_special_tokens)
         # As in OpenAI's API, the matched stop string is not part of the text.
         cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=len(text))
         return text[:cut]
+
+    def _answer(
+        self,
+        out: GenerationOutput,
+        params: SamplingParams,
+        tools: list[dict[str, Any]] | None,
+        parallel: bool,
+    ) -> dict[str, Any]:
+        """The assistant message `out` answers, in the chat template's form (tool-call arguments as
+        objects, no content key when it is only calls)."""
+        text = self._text(out, params)
+        if not tools:
+            return {"role": "assistant", "content": text}
+        parsed = self.tool_calls.parse(self._text(out, params, False), text, tools, parallel)
+        if not parsed.tool_calls:
+            return {"role": "assistant", "content": parsed.content}
+        answer = template_messages([{"role": "assistant", "tool_calls": parsed.tool_calls}])[0]
+        return answer | ({"content": parsed.content} if parsed.content is not None else {})
 
     def _response(
         self, kind: str, prompt_ids: list[int], outputs: list[GenerationOutput], choices: list

@@ -50,6 +50,8 @@ def create_tiny_model(
     vocab_size: int = 512,
     seed: int = 0,
     initializer_range: float = 0.02,
+    chat_template: str = CHAT_TEMPLATE,
+    added_tokens: tuple[str, ...] = (),
 ) -> Path:
     """Write a randomly initialised Qwen2 model and its tokenizer to `path`; returns the path.
 
@@ -58,7 +60,8 @@ def create_tiny_model(
     (LoRA) cannot make any token likelier than ~1%; 0.2 gives pretrained-like logit scales.
 
     head_dim = hidden_size / num_heads must be one vLLM's CPU attention supports
-    (32, 64, 80, 96, 112, 128, ...); the default is 32. Deterministic for a seed.
+    (32, 64, 80, 96, 112, 128, ...); the default is 32. Deterministic for a seed. `added_tokens` become
+    single (not special) tokens, as a real model's tool-call tags are.
     """
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -79,8 +82,9 @@ def create_tiny_model(
         tokenizer_object=tokenizer,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
     )
+    hf_tokenizer.add_tokens(list(added_tokens))
     config = Qwen2Config(
         vocab_size=len(hf_tokenizer),
         hidden_size=hidden_size,

@@ -1,6 +1,9 @@
 """Helpers for engine tests: an HF reference model and its logprobs under a sampling setting."""
 
 import asyncio
+import contextlib
+import threading
+from collections.abc import Iterator
 from copy import deepcopy
 
 import pytest
@@ -14,6 +17,27 @@ from skyrl.train.workers.actor_group import node_free_port
 
 # Small vLLM KV cache: the tiny model needs little and every engine allocates it up front.
 TEST_KV_CACHE_BYTES = 64 << 20
+
+
+@contextlib.contextmanager
+def serving(model_path, cfg) -> Iterator:
+    """An `OpenAIServer` with `cfg` over one hf engine on `model_path`; the server and its client live on
+    an event loop of their own, as in a driver."""
+    from skyrl.train.inference.openai_server import OpenAIServer
+
+    client = start_client("hf", model_path)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server = OpenAIServer(client, model_path, cfg)
+    asyncio.run_coroutine_threadsafe(server.start(), loop).result(timeout=30)
+    try:
+        yield server
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        client.shutdown()
 
 
 def start_client(backend: str, model_path, **overrides) -> InferenceEngineClient:

@@ -8,30 +8,21 @@ from http.client import HTTPConnection
 import httpx
 import pytest
 
-from skyrl.train.inference.openai_server import OpenAIServer
 from skyrl.train.schema import OpenAIServerConfig
 
-from .conftest import start_client
+from .conftest import serving
 
 API_KEY = "test-key"
 MODEL = "tiny"
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 
 
 @pytest.fixture(scope="module")
 def server(ray_cluster, tiny_model_path):
-    client = start_client("hf", tiny_model_path)
-    loop = asyncio.new_event_loop()  # the server and its client live on this loop, as in a driver
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    server = OpenAIServer(
-        client, tiny_model_path, OpenAIServerConfig(port=0, api_key=API_KEY, served_model_name=MODEL)
-    )
-    asyncio.run_coroutine_threadsafe(server.start(), loop).result(timeout=30)
-    yield server
-    asyncio.run_coroutine_threadsafe(server.stop(), loop).result(timeout=30)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(timeout=10)
-    client.shutdown()
+    with serving(
+        tiny_model_path, OpenAIServerConfig(port=0, api_key=API_KEY, served_model_name=MODEL)
+    ) as server:
+        yield server
 
 
 @pytest.fixture
@@ -120,6 +111,11 @@ def test_bad_json_is_a_400(http):
         ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": True}, "stream"),
         ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, "content"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [TOOL]},
+            "generator.http_endpoint.tool_parser",
+        ),
     ],
     ids=[
         "no-prompt",
@@ -128,6 +124,7 @@ def test_bad_json_is_a_400(http):
         "stream",
         "no-messages",
         "message-without-content",
+        "tools-without-a-parser",
     ],
 )
 def test_malformed_request_is_a_400(http, path, body, text):
