@@ -176,21 +176,23 @@ class AgentSessions:
         self, session: _Session, messages: list[Message], tools: list[dict[str, Any]] | None
     ) -> list[int]:
         """The session's context continued token for token when `messages` extend its last request and
-        answer with the same `tools`, else `messages` rendered afresh."""
+        answer with the same `tools` (with tools, also only where the template renders that history as
+        the text recorded: a template may rewrite earlier turns, e.g. a tool call's JSON), else
+        `messages` rendered afresh."""
         history, last = session.history, session.last
         continued = history is not None and last is not None and session.tools == tools
         session.tools = tools
         try:
             if continued and messages[: len(history)] == history:
-                return (
-                    last.context_ids
-                    + last.response_ids
-                    + self.template.close_turn(last.response_ids)
-                    + self.template.observation(messages[len(history) :])
-                )
+                recorded = last.context_ids + last.response_ids + self.template.close_turn(last.response_ids)
+                if not tools or self._decode(self.template.history(history, tools)) == self._decode(recorded):
+                    return recorded + self.template.observation(messages[len(history) :])
             return self.template.prompt(messages, tools)
         except Exception as exc:  # template errors depend on the agent's messages
             raise APIError(400, f"the chat template failed on these messages: {exc}") from exc
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.template.tokenizer.decode(ids, skip_special_tokens=False)
 
     def record(
         self,

@@ -145,6 +145,10 @@ class ChatTemplateDelta:
     def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         return self._render(messages, add_generation_prompt=True, tools=tools)
 
+    def history(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """`messages` as the template renders a finished conversation (no generation prompt)."""
+        return self._render(messages, add_generation_prompt=False, tools=tools)
+
     def close_turn(self, response_ids: list[int]) -> list[int]:
         return self.turn_suffix[1:] if response_ids and response_ids[-1] == self.eos else self.turn_suffix
 

@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP endpoint over an `InferenceEngineClient`.
 
-Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`
-(non-streaming). Chat prompts are built with the tokenizer's chat template, with the request's
+Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`; with
+`stream=true` the answer comes as OpenAI's server-sent events, built from the finished generation
+(`stream_chunks`: what is recorded is the same either way). Chat prompts are built with the tokenizer's chat template, with the request's
 `tools`; answers carry parsed `tool_calls` (OpenAI function calling, see `inference.tools`).
 Beyond the OpenAI fields, requests may set `top_k` and `stop_token_ids`, the
 `X-Session-Id` header keeps a multi-turn session on one engine, and responses
@@ -20,11 +21,12 @@ import hmac
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
 from skyrl.train.inference.client import EngineDeadError, InferenceEngineClient
@@ -38,6 +40,10 @@ from skyrl.train.schema import OpenAIServerConfig
 KEEP_ALIVE_S = 900
 
 
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
 class _SamplingRequest(BaseModel):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -49,6 +55,7 @@ class _SamplingRequest(BaseModel):
     seed: int | None = None
     n: int = Field(default=1, ge=1, le=64)
     stream: bool = False
+    stream_options: StreamOptions | None = None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -289,7 +296,7 @@ class OpenAIServer:
                         "token_logprobs": out.logprobs,
                     }
                 choices.append(choice)
-            return self._response("text_completion", prompt_ids, outputs, choices)
+            return self._reply(body, self._response("text_completion", prompt_ids, outputs, choices))
 
         @app.post("/v1/chat/completions")
         async def chat_completions(body: ChatCompletionRequest, request: Request) -> dict:
@@ -306,7 +313,7 @@ class OpenAIServer:
                 self._chat_choice(i, out, answer)
                 for i, (out, answer) in enumerate(zip(outputs, answers, strict=True))
             ]
-            return self._response("chat.completion", prompt_ids, outputs, choices)
+            return self._reply(body, self._response("chat.completion", prompt_ids, outputs, choices))
 
         return app
 
@@ -358,6 +365,13 @@ class OpenAIServer:
             "logprobs": logprobs,
         }
 
+    def _reply(self, body: _SamplingRequest, response: dict[str, Any]) -> dict[str, Any] | StreamingResponse:
+        """`response` as JSON, or as server-sent events for `stream=true`."""
+        if not body.stream:
+            return response
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(_events(stream_chunks(response, usage)), media_type="text/event-stream")
+
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
             raise APIError(
@@ -369,8 +383,6 @@ class OpenAIServer:
     def _sampling_params(
         self, body: _SamplingRequest, max_tokens: int | None, logprobs: bool
     ) -> SamplingParams:
-        if body.stream:
-            raise APIError(400, "stream=true is not supported; send stream=false", "unsupported_parameter")
         stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
         try:
             return SamplingParams(
@@ -479,3 +491,45 @@ class OpenAIServer:
                 "total_tokens": len(prompt_ids) + completion_tokens,
             },
         }
+
+
+def stream_chunks(response: dict[str, Any], include_usage: bool = False) -> Iterator[dict[str, Any]]:
+    """A finished (chat) completion as OpenAI's stream chunks, choice by choice. Chat: a role chunk, the
+    content (with its logprobs), each tool call with its `index`, then a chunk with `finish_reason` (and
+    our `token_ids`); completions: the text, then `finish_reason`. With `include_usage` a last chunk has
+    the usage and no choices."""
+    chat = response["object"] == "chat.completion"
+    head = {key: response[key] for key in ("id", "created", "model")}
+    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(index: int, finish_reason: str | None = None, **fields: Any) -> dict[str, Any]:
+        return head | {"choices": [{"index": index, **fields, "finish_reason": finish_reason}]}
+
+    for choice in response["choices"]:
+        index, last = choice["index"], {"token_ids": choice["token_ids"]}
+        if not chat:
+            yield chunk(index, text=choice["text"], logprobs=choice["logprobs"])
+            yield chunk(index, choice["finish_reason"], text="", logprobs=None, **last)
+            continue
+        message = choice["message"]
+        yield chunk(index, delta={"role": "assistant", "content": ""}, logprobs=None)
+        if message["content"]:
+            yield chunk(index, delta={"content": message["content"]}, logprobs=choice["logprobs"])
+        for k, call in enumerate(message.get("tool_calls") or ()):
+            yield chunk(index, delta={"tool_calls": [{"index": k, **call}]}, logprobs=None)
+        yield chunk(index, choice["finish_reason"], delta={}, logprobs=None, **last)
+    if include_usage:
+        yield head | {"choices": [], "usage": response["usage"]}
+
+
+async def _events(chunks: Iterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """Server-sent events of `chunks`, then `[DONE]`; an error once the stream has started ends it with an
+    `error` event (the status line is already sent)."""
+    try:
+        for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n"
+    except Exception as exc:
+        error = {"message": f"{type(exc).__name__}: {exc}", "type": "server_error", "code": None}
+        yield f"event: error\ndata: {json.dumps({'error': error})}\n\n"
+        return
+    yield "data: [DONE]\n\n"

@@ -108,7 +108,6 @@ def test_bad_json_is_a_400(http):
         ("/v1/completions", {"model": MODEL}, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, "temperature"),
         ("/v1/completions", {"model": MODEL, "prompt": [1, 10**6]}, "outside the vocabulary"),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": True}, "stream"),
         ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, "content"),
         (
@@ -121,7 +120,6 @@ def test_bad_json_is_a_400(http):
         "no-prompt",
         "negative-temperature",
         "out-of-vocab",
-        "stream",
         "no-messages",
         "message-without-content",
         "tools-without-a-parser",

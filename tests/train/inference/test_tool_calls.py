@@ -1,16 +1,23 @@
 """OpenAI function calling on the endpoint, over a tiny model whose tokenizer carries Qwen2.5's real chat
 template (its tools system section, `<tool_call>` / `<tool_response>` tags as single tokens) and vLLM's
-hermes parser, with a real HTTP client and a real hf engine."""
+hermes parser, with real HTTP clients (httpx, `openai`) and a real hf engine. The model has memorised a
+weather conversation (greedy: a call to `get_weather`, then, given its result, an answer), so the
+answers that carry calls are generated, not made up."""
 
 import json
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
-from transformers import AutoTokenizer
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from skyrl.train.dataset.preprocess import Trajectory, prefix_consistent
+from skyrl.train.generator.agent import AgentSessions
 from skyrl.train.inference.engine import GenerationOutput, SamplingParams
-from skyrl.train.inference.tools import ToolCalls
+from skyrl.train.inference.openai_server import ToolDefinition
+from skyrl.train.inference.tools import ToolCalls, template_messages
 from skyrl.train.schema import OpenAIServerConfig
 from skyrl.train.utils.errors import ConfigError
 from skyrl.train.utils.tiny_model import create_tiny_model
@@ -41,12 +48,57 @@ CALLED = {
     ],
 }
 ANSWERED = {"role": "tool", "tool_call_id": "call_1", "content": "18C"}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+REPLY = "It is 18C."
+
+
+def memorise(path, conversations) -> None:
+    """Train the model at `path` until greedy decoding gives each (prompt ids, response ids) response."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(500):
+        loss, learnt = 0.0, True
+        for prompt, response in conversations:
+            ids = torch.tensor([prompt + response])
+            logits = model(ids).logits[0, len(prompt) - 1 : -1]
+            target = ids[0, len(prompt) :]
+            loss = loss + torch.nn.functional.cross_entropy(logits, target)
+            learnt &= bool((logits.argmax(-1) == target).all())
+        if learnt:
+            break
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert learnt, "the tiny model did not memorise the conversation"
+    model.save_pretrained(path)
 
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    return create_tiny_model(
+    path = create_tiny_model(
         tmp_path_factory.mktemp("qwen-tools"), chat_template=QWEN25_TEMPLATE.read_text(), added_tokens=TAGS
+    )
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    end = tokenizer.encode("<|im_end|>")
+    memorise(
+        path,
+        [
+            (render(tokenizer, [ASKED]), tokenizer.encode(CALL) + end),
+            (render(tokenizer, [ASKED, CALLED, ANSWERED]), tokenizer.encode(REPLY) + end),
+        ],
+    )
+    return path
+
+
+def render(tokenizer, messages):
+    """`messages` (OpenAI's format) with the weather tool, as the endpoint renders a request's prompt."""
+    tools = [ToolDefinition.model_validate(WEATHER).model_dump(exclude_none=True)]
+    return tokenizer.apply_chat_template(
+        template_messages([{k: v for k, v in m.items() if v is not None} for m in messages]),
+        tools=tools,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
     )
 
 
@@ -200,3 +252,98 @@ def test_text_content_parts_are_joined(http, tokenizer):
         response.json()["prompt_token_ids"]
     )
     assert json.loads(json.dumps(response.json()))  # the answer is plain JSON
+
+
+@pytest.fixture
+def openai_client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+
+
+def test_the_model_calls_the_tool_and_the_openai_client_reads_the_call(openai_client):
+    fields = {"model": MODEL, "tools": [WEATHER], "temperature": 0, "max_tokens": 64}
+    choice = openai_client.chat.completions.create(messages=[ASKED], **fields).choices[0]
+    assert (choice.finish_reason, choice.message.content) == ("tool_calls", None)
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    result = {**ANSWERED, "tool_call_id": call.id}
+    again = openai_client.chat.completions.create(messages=[ASKED, choice.message, result], **fields)
+    assert (again.choices[0].message.content, again.choices[0].finish_reason) == (REPLY, "stop")
+
+
+@pytest.mark.parametrize("tools", [None, [WEATHER]], ids=["text", "tools"])
+def test_a_streamed_answer_is_the_same_answer_in_openais_chunks(openai_client, tools):
+    fields = {"model": MODEL, "messages": [ASKED], "temperature": 0, "max_tokens": 64}
+    if tools:
+        fields["tools"] = tools
+    whole = openai_client.chat.completions.create(**fields).choices[0]
+    chunks = list(
+        openai_client.chat.completions.create(**fields, stream=True, stream_options={"include_usage": True})
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    choices = [c.choices[0] for c in chunks[:-1]]
+    calls = [call for c in choices for call in c.delta.tool_calls or ()]
+    assert [c.finish_reason for c in choices] == [None] * (len(choices) - 1) + [whole.finish_reason]
+    assert "".join(c.delta.content or "" for c in choices) == (whole.message.content or "")
+    assert [(c.index, c.function.name, c.function.arguments) for c in calls] == [
+        (i, c.function.name, c.function.arguments) for i, c in enumerate(whole.message.tool_calls or ())
+    ]
+    assert (whole.finish_reason == "tool_calls" and len(calls) == 1) if tools else not calls
+
+
+def test_a_streamed_completion_and_an_error_before_the_stream(http):
+    body = {"model": MODEL, "prompt": "Weather", "max_tokens": 3, "stream": True}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert all(c["object"] == "text_completion" for c in chunks)
+    bad = http.post("/v1/completions", json={**body, "model": "other"})  # before the first byte: plain JSON
+    assert bad.status_code == 404 and bad.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_tool_session_is_recorded_as_generated_and_continued_token_for_token(
+    server, tokenizer, openai_client
+):
+    """An agent's session through the endpoint: the call's turn records the generated tags, and the
+    request with the tool result continues that context token for token, which is also how the
+    template renders the whole conversation (Qwen2.5's template is append-only for tool turns)."""
+    sessions = AgentSessions(tokenizer, max_input_length=1024)
+    server.recorder = sessions
+    try:
+        session = sessions.open("weather/0", SamplingParams(temperature=0.0, max_tokens=64))
+        fields = {"model": MODEL, "tools": [WEATHER], "extra_headers": {"X-Session-Id": session}}
+        message = openai_client.chat.completions.create(messages=[ASKED], **fields).choices[0].message
+        result = {**ANSWERED, "tool_call_id": message.tool_calls[0].id}
+        second = openai_client.chat.completions.create(messages=[ASKED, message, result], **fields)
+        assert second.choices[0].message.content == REPLY
+        turns = sessions.close(session)
+    finally:
+        server.recorder = None
+    assert tokenizer.decode(turns[0].response_ids) == CALL + "<|im_end|>"
+    assert prefix_consistent(Trajectory("weather", "weather/0", turns))
+    assert turns[1].context_ids == render(tokenizer, [ASKED, CALLED, ANSWERED])
+
+
+def test_a_call_the_template_would_render_differently_is_rendered_afresh(tokenizer):
+    """The rendered-prefix check: a generated call whose JSON the template writes another way (spacing)
+    is not continued; the next request is rendered as the template writes the conversation."""
+    sessions = AgentSessions(tokenizer, max_input_length=1024)
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    tools = [ToolDefinition.model_validate(WEATHER).model_dump(exclude_none=True)]
+    asked, called_and_answered = template_messages([ASKED]), template_messages([ASKED, CALLED, ANSWERED])
+    answer = called_and_answered[1]
+    for call, continued in ((CALL, True), (CALL.replace('": "Paris"', '":"Paris"'), False)):
+        session = sessions.open("weather/0", params)
+        prompt, _ = sessions.prepare(session, None, asked, params, 1, tools)
+        response = tokenizer.encode(call + "<|im_end|>")
+        sessions.record(
+            session, prompt, asked, [GenerationOutput(response, [0.0] * len(response), "stop", 0)], [answer]
+        )
+        following, _ = sessions.prepare(session, None, called_and_answered, params, 1, tools)
+        assert (following[: len(prompt) + len(response)] == prompt + response) == continued
+        if not continued:
+            assert following == render(tokenizer, [ASKED, CALLED, ANSWERED])
+        sessions.close(session)
