@@ -254,7 +254,7 @@ class AgentGenerator:
             max_tokens=self.cfg.max_generate_length,
             allowed_token_ids=self.allowed_token_ids,
         )
-        start = time.perf_counter()
+        start, parse_failures = time.perf_counter(), self.server.tool_calls.parse_failures
         # not a `with` block: a sync agent stuck past its timeout must not hold up the batch, and daemon
         # threads: nor the process's exit
         pool = DaemonThreadPool(self.cfg.env_workers, "skyrl-agent")
@@ -278,7 +278,10 @@ class AgentGenerator:
                 self.cfg.agent,
                 len(episodes),
             )
-        return GeneratorOutput(episodes, rollout_metrics(episodes, n, time.perf_counter() - start))
+        metrics = rollout_metrics(episodes, n, time.perf_counter() - start)
+        # answers with tool-call tags that did not parse as calls (answered as plain content)
+        metrics["agent/tool_parse_failures"] = float(self.server.tool_calls.parse_failures - parse_failures)
+        return GeneratorOutput(episodes, metrics)
 
     async def _episode(
         self, row: PromptRow, uid: str, trajectory_id: str, pool: DaemonThreadPool, params: SamplingParams

@@ -96,6 +96,7 @@ def test_the_example_agent_records_what_the_rollout_manager_builds(served, agent
         assert a.stop_reason == "done" and a.env_metrics["guesses"] == b.env_metrics["guesses"]
         assert_same_turns(a.trajectory, b.trajectory)
     assert ours.metrics["episode/prefix_consistent_fraction"] == 1.0
+    assert ours.metrics["agent/tool_parse_failures"] == 0.0  # a plain-chat agent: no tool-call tags
 
 
 def test_multi_token_answers_continue_the_context_as_the_rollout_manager_does(
