@@ -278,10 +278,10 @@ class AgentGenerator:
                 self.cfg.agent,
                 len(episodes),
             )
-        metrics = rollout_metrics(episodes, n, time.perf_counter() - start)
-        # answers with tool-call tags that did not parse as calls (answered as plain content)
-        metrics["agent/tool_parse_failures"] = float(self.server.tool_calls.parse_failures - parse_failures)
-        return GeneratorOutput(episodes, metrics)
+        parse_failures = self.server.tool_calls.parse_failures - parse_failures
+        return GeneratorOutput(
+            episodes, rollout_metrics(episodes, n, time.perf_counter() - start, parse_failures)
+        )
 
     async def _episode(
         self, row: PromptRow, uid: str, trajectory_id: str, pool: DaemonThreadPool, params: SamplingParams

@@ -35,10 +35,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from skyrl.envs import BaseTextEnv, make
+from skyrl.envs.base import ToolCall
 from skyrl.train.dataset.preprocess import Trajectory, Turn, prefix_consistent
 from skyrl.train.dataset.prompt_dataset import PromptRow
 from skyrl.train.generator.env_processes import EnvFailure, EnvProcessPool, RemoteEnv
 from skyrl.train.inference.engine import SamplingParams
+from skyrl.train.inference.tools import PARSER_KEY, ToolCalls, template_messages
 from skyrl.train.schema import EnvironmentConfig, GeneratorConfig, SamplingConfig
 from skyrl.train.utils.daemon_pool import DaemonThreadPool
 from skyrl.train.utils.errors import ConfigError
@@ -172,6 +174,7 @@ class RolloutManager:
         self.client, self.tokenizer, self.cfg, self.env = client, tokenizer, cfg, env
         self.template = ChatTemplateDelta(tokenizer)
         self.allowed_token_ids = allowed_token_ids(tokenizer, env)
+        self.tool_calls = ToolCalls(tokenizer, cfg.http_endpoint.tool_parser)  # for envs that declare tools
         self._processes: EnvProcessPool | None = None  # started by the first batch that needs it
 
     def close(self) -> None:
@@ -215,7 +218,7 @@ class RolloutManager:
         `max_env_failure_fraction` of the episodes failed in their environment.
         """
         uids, sampling, n = batch_settings(self.cfg, prompts, uids, sampling, n_samples_per_prompt)
-        start = time.perf_counter()
+        start, parse_failures = time.perf_counter(), self.tool_calls.parse_failures
         pool = self._env_executor()
         try:
             # a TaskGroup cancels and awaits every episode if one raises (e.g. a dead engine)
@@ -232,7 +235,10 @@ class RolloutManager:
                 pool.shutdown(wait=False, cancel_futures=True)
         episodes = [task.result() for task in tasks]
         check_failures(episodes, self.cfg.max_env_failure_fraction)
-        return GeneratorOutput(episodes, rollout_metrics(episodes, n, time.perf_counter() - start))
+        parse_failures = self.tool_calls.parse_failures - parse_failures
+        return GeneratorOutput(
+            episodes, rollout_metrics(episodes, n, time.perf_counter() - start, parse_failures)
+        )
 
     def _env_executor(self) -> DaemonThreadPool | EnvProcessPool:
         """This batch's env threads, or the manager's env processes (kept across batches: a process
@@ -296,7 +302,14 @@ class RolloutManager:
                 pool, None, "make", env_class, self.env.config.get(env_class, {}), row.extras
             )
             messages, _ = await self._env_call(pool, env, "init", row.prompt)
-            context = self.template.prompt(messages)
+            tools = await self._env_call(pool, env, "tools")
+            if tools and self.tool_calls.name is None:
+                raise ConfigError(
+                    f"environment {env_class!r} declares tools, but {PARSER_KEY}={self.tool_calls.requested!r} "
+                    "parses no tool calls for this model (its chat template writes no tool-call tags, or vLLM is "
+                    "missing); set the parser, e.g. hermes for Qwen2.5"
+                )
+            context = self.template.prompt(messages, tools)
             stop_reason, total = "max_turns", 0.0
             for _ in range(self.cfg.max_turns):
                 if len(context) >= self.cfg.max_input_length:
@@ -310,7 +323,12 @@ class RolloutManager:
                     break
                 response = list(out.response_ids)
                 text = self.tokenizer.decode(response, skip_special_tokens=True)
-                step = await self._env_call(pool, env, "step", text)
+                if tools:
+                    step = await self._env_call(
+                        pool, env, "step", text, self._tool_calls(response, text, tools)
+                    )
+                else:
+                    step = await self._env_call(pool, env, "step", text)
                 logprobs, mask = list(out.logprobs), [1] * len(response)
                 turns.append(
                     Turn(list(context), response, logprobs, mask, float(step.reward), out.weight_version)
@@ -341,6 +359,14 @@ class RolloutManager:
                     await self._env_call(pool, env, "close")
                 except EnvFailure as e:
                     logger.warning("episode %s: %s", trajectory_id, e)
+
+    def _tool_calls(self, response: list[int], text: str, tools: list[dict[str, Any]]) -> list[ToolCall]:
+        """The calls in `response`, as the endpoint parses them, arguments as objects."""
+        raw = self.tokenizer.decode(response, skip_special_tokens=False)
+        calls = self.tool_calls.parse(raw, text, tools, parallel=True).tool_calls
+        return (
+            template_messages([{"role": "assistant", "tool_calls": calls}])[0]["tool_calls"] if calls else []
+        )
 
     def _placeholder(self, row: PromptRow) -> list[Turn]:
         return self.template.placeholder(row.prompt, self.client.weight_version)
@@ -380,9 +406,12 @@ def check_failures(episodes: list[Episode], max_fraction: float) -> None:
         )
 
 
-def rollout_metrics(episodes: list[Episode], n_samples_per_prompt: int, seconds: float) -> dict[str, float]:
+def rollout_metrics(
+    episodes: list[Episode], n_samples_per_prompt: int, seconds: float, tool_parse_failures: int = 0
+) -> dict[str, float]:
     """Reward statistics, pass@n, turns, response lengths, stop reasons, env failures and metrics, the
-    share of trajectories whose every context extends the one before (`prefix_consistent`), timing."""
+    share of trajectories whose every context extends the one before (`prefix_consistent`), the answers
+    whose tool-call tags did not parse as calls (answered as plain text), timing."""
     rewards = [e.reward for e in episodes]
     groups = [rewards[i : i + n_samples_per_prompt] for i in range(0, len(rewards), n_samples_per_prompt)]
     response_tokens = [
@@ -396,6 +425,7 @@ def rollout_metrics(episodes: list[Episode], n_samples_per_prompt: int, seconds:
         "episode/response_tokens_mean": statistics.fmean(response_tokens),
         "episode/response_tokens_max": float(max(response_tokens)),
         "episode/env_failures": float(sum(e.stop_reason == "error" for e in episodes)),
+        "agent/tool_parse_failures": float(tool_parse_failures),
         "episode/prefix_consistent_fraction": statistics.fmean(
             prefix_consistent(e.trajectory) for e in episodes
         ),

@@ -129,7 +129,7 @@ class ToolCalls:
     `ConfigError` naming the key and the installed parsers when vLLM lacks it."""
 
     def __init__(self, tokenizer: Any, name: str):
-        self.tokenizer = tokenizer
+        self.tokenizer, self.requested = tokenizer, name
         self.name = resolve_tool_parser(name, getattr(tokenizer, "chat_template", None))
         self.parse_failures = 0
         self._parser_cls: Any = None

@@ -2,7 +2,6 @@
 
 import asyncio
 import contextlib
-import threading
 from collections.abc import Iterator
 from copy import deepcopy
 
@@ -21,22 +20,20 @@ TEST_KV_CACHE_BYTES = 64 << 20
 
 @contextlib.contextmanager
 def serving(model_path, cfg) -> Iterator:
-    """An `OpenAIServer` with `cfg` over one hf engine on `model_path`; the server and its client live on
-    an event loop of their own, as in a driver."""
+    """(loop, server): an `OpenAIServer` with `cfg` over one hf engine on `model_path`; the server and its
+    client live on a `BackgroundLoop` of their own, as in a driver (`loop.run(coro)` runs on it)."""
     from skyrl.train.inference.openai_server import OpenAIServer
+    from skyrl.train.utils.background_loop import BackgroundLoop
 
     client = start_client("hf", model_path)
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
+    loop = BackgroundLoop()
     server = OpenAIServer(client, model_path, cfg)
-    asyncio.run_coroutine_threadsafe(server.start(), loop).result(timeout=30)
+    loop.run(server.start())
     try:
-        yield server
+        yield loop, server
     finally:
-        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(timeout=30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
+        loop.run(server.stop())
+        loop.close()
         client.shutdown()
 
 

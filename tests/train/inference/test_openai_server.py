@@ -19,9 +19,10 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 @pytest.fixture(scope="module")
 def server(ray_cluster, tiny_model_path):
-    with serving(
-        tiny_model_path, OpenAIServerConfig(port=0, api_key=API_KEY, served_model_name=MODEL)
-    ) as server:
+    with serving(tiny_model_path, OpenAIServerConfig(port=0, api_key=API_KEY, served_model_name=MODEL)) as (
+        _,
+        server,
+    ):
         yield server
 
 

@@ -13,12 +13,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from skyrl.envs.base import BaseTextEnv, BaseTextEnvStepOutput
 from skyrl.train.dataset.preprocess import Trajectory, prefix_consistent
-from skyrl.train.generator.agent import AgentSessions
+from skyrl.train.dataset.prompt_dataset import PromptRow
+from skyrl.train.generator.agent import AgentGenerator, AgentResult, AgentSessions, ClientInfo
+from skyrl.train.generator.rollout import RolloutManager
 from skyrl.train.inference.engine import GenerationOutput, SamplingParams
 from skyrl.train.inference.openai_server import ToolDefinition
 from skyrl.train.inference.tools import ToolCalls, template_messages
-from skyrl.train.schema import OpenAIServerConfig
+from skyrl.train.schema import EnvironmentConfig, GeneratorConfig, OpenAIServerConfig, SamplingConfig
 from skyrl.train.utils.errors import ConfigError
 from skyrl.train.utils.tiny_model import create_tiny_model
 
@@ -108,9 +111,14 @@ def tokenizer(model_path):
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, model_path):
-    with serving(model_path, OpenAIServerConfig(port=0, served_model_name=MODEL)) as server:
-        yield server
+def served(ray_cluster, model_path):
+    with serving(model_path, OpenAIServerConfig(port=0, served_model_name=MODEL)) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served[1]
 
 
 @pytest.fixture
@@ -347,3 +355,67 @@ def test_a_call_the_template_would_render_differently_is_rendered_afresh(tokeniz
         if not continued:
             assert following == render(tokenizer, [ASKED, CALLED, ANSWERED])
         sessions.close(session)
+
+
+class WeatherEnv(BaseTextEnv):
+    """The weather game with a tool: call `get_weather`, then answer with the temperature (reward 1)."""
+
+    def tools(self):
+        return [WEATHER]
+
+    def step(self, action, tool_calls=None):
+        if tool_calls:
+            results = [{"role": "tool", "tool_call_id": c["id"], "content": "18C"} for c in tool_calls]
+            assert [c["function"]["arguments"] for c in tool_calls] == [{"city": "Paris"}]
+            return BaseTextEnvStepOutput(results, 0.0, False)
+        return BaseTextEnvStepOutput([], float("18C" in action), True)
+
+
+async def weather_agent(row, info: ClientInfo) -> AgentResult:
+    """The same game played by an agent with the `openai` client's function calling."""
+    client = openai.AsyncOpenAI(base_url=info.base_url, api_key=info.api_key, default_headers=info.headers)
+    messages = list(row.prompt)
+    for _ in range(3):
+        response = await client.chat.completions.create(model=info.model, messages=messages, tools=[WEATHER])
+        message = response.choices[0].message
+        messages.append(message)
+        if not message.tool_calls:
+            return AgentResult(reward=float("18C" in (message.content or "")))
+        messages += [{"role": "tool", "tool_call_id": c.id, "content": "18C"} for c in message.tool_calls]
+    return AgentResult(reward=0.0)
+
+
+def test_a_tool_env_and_a_tool_agent_play_the_same_game_token_for_token(served, tokenizer):
+    """The env path (tools declared by the env, calls parsed for it) and the agent path (the openai
+    client's function calling through the endpoint) give the same trajectories: the generated call,
+    the tool result rendered by the template, the answer; both continued token for token."""
+    loop, server = served
+    here = __name__
+    env = EnvironmentConfig(f"{here}:WeatherEnv")
+    settings = {"n_samples_per_prompt": 2, "max_turns": 3, "max_generate_length": 64}
+    rows = [PromptRow(0, [ASKED])]
+    greedy = SamplingConfig(temperature=0.0)
+    ours = loop.run(
+        RolloutManager(server.client, tokenizer, GeneratorConfig(**settings), env).agenerate(
+            rows, None, greedy
+        )
+    )
+    agents = AgentGenerator(
+        server, tokenizer, GeneratorConfig(**settings, agent=f"{here}:weather_agent"), env
+    )
+    try:
+        theirs = loop.run(agents.agenerate(rows, None, greedy))
+    finally:
+        agents.close()
+        server.recorder = None
+    for result in (ours, theirs):
+        assert [e.reward for e in result.episodes] == [1.0, 1.0]
+        assert result.metrics["episode/prefix_consistent_fraction"] == 1.0
+        assert result.metrics["agent/tool_parse_failures"] == 0.0
+    for a, b in zip(ours.episodes, theirs.episodes, strict=True):
+        assert [(t.context_ids, t.response_ids) for t in a.trajectory.turns] == [
+            (t.context_ids, t.response_ids) for t in b.trajectory.turns
+        ]
+        first, second = a.trajectory.turns
+        assert tokenizer.decode(first.response_ids) == CALL + "<|im_end|>"
+        assert second.context_ids == render(tokenizer, [ASKED, CALLED, ANSWERED])
