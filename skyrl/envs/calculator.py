@@ -1,9 +1,12 @@
 """Multi-turn tool use: the model calls a calculator, reads the result, and answers.
 
-The model writes `<tool>EXPRESSION</tool>` to call the calculator (the env replies
-`<result>VALUE</result>`) and `<answer>VALUE</answer>` to finish; reward 1 when
-the answer equals `extras['answer']`. Expressions are evaluated by a small
-arithmetic parser (numbers, + - * / // % **, parentheses), never `eval`.
+Two protocols. Text (the default): the model writes `<tool>EXPRESSION</tool>` to call the calculator
+(the env replies `<result>VALUE</result>`). Function calling (`function_calling: true` in the env's
+config): the env declares a `calculator` tool (OpenAI function definition, `{"expression": str}`), the
+model calls it in its chat template's format (parsed by `generator.http_endpoint.tool_parser`), and
+the env answers each call with a `role: "tool"` message. Either way `<answer>VALUE</answer>` finishes;
+reward 1 when the answer equals `extras['answer']`. Expressions are evaluated by a small arithmetic
+parser (numbers, + - * / // % **, parentheses), never `eval`.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import random
 import re
 from typing import Any
 
-from skyrl.envs.base import BaseTextEnv, BaseTextEnvStepOutput, Message
+from skyrl.envs.base import BaseTextEnv, BaseTextEnvStepOutput, Message, ToolCall
 from skyrl.envs.math_env import answers_match
 
 TOOL = re.compile(r"<tool>(.*?)</tool>", re.DOTALL)
@@ -23,6 +26,21 @@ SYSTEM_PROMPT = (
     "Compute the expression. Use the calculator tool: <tool>3 * (4 + 5)</tool>, "
     "then give the result as <answer>27</answer>."
 )
+FUNCTION_CALLING_PROMPT = (
+    "Compute the expression. Call the calculator, then give the result as <answer>27</answer>."
+)
+CALCULATOR_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "The value of an arithmetic expression (+ - * / // % **, parentheses).",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "e.g. 3 * (4 + 5)"}},
+            "required": ["expression"],
+        },
+    },
+}
 BINARY = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
@@ -68,13 +86,21 @@ def safe_eval(expression: str) -> int | float:
     return value(tree.body)
 
 
+def evaluate(expression: str) -> str:
+    """The expression's value as the env answers it, or the error."""
+    try:
+        return format_number(safe_eval(expression))
+    except ValueError as e:
+        return f"error: {e}"
+
+
 def format_number(x: int | float) -> str:
     """Integers without a decimal point, other values rounded to 6 significant digits."""
     return str(int(x)) if float(x).is_integer() else f"{x:.6g}"
 
 
 class CalculatorEnv(BaseTextEnv):
-    """env_config: `max_turns` (4). extras: `answer`."""
+    """env_config: `max_turns` (4), `function_calling` (false: the text protocol). extras: `answer`."""
 
     def __init__(self, env_config: dict[str, Any] | None = None, extras: dict[str, Any] | None = None):
         super().__init__(env_config, extras)
@@ -82,10 +108,14 @@ class CalculatorEnv(BaseTextEnv):
             raise ValueError("calculator needs the ground truth in the dataset row's 'answer' column")
         self.truth = str(self.extras["answer"])
         self.max_turns = int(self.env_config.get("max_turns", 4))
+        self.function_calling = bool(self.env_config.get("function_calling", False))
         self.turns = 0
         self.tool_calls = 0
 
-    def step(self, action: str) -> BaseTextEnvStepOutput:
+    def tools(self) -> list[dict[str, Any]] | None:
+        return [CALCULATOR_TOOL] if self.function_calling else None
+
+    def step(self, action: str, tool_calls: list[ToolCall] | None = None) -> BaseTextEnvStepOutput:
         self.turns += 1
         answer = ANSWER.search(action)
         if answer:
@@ -93,25 +123,42 @@ class CalculatorEnv(BaseTextEnv):
             return BaseTextEnvStepOutput(
                 [], 1.0 if correct else 0.0, True, {"answer": answer.group(1).strip()}
             )
-        call = TOOL.search(action)
+        done = self.turns >= self.max_turns
+        if tool_calls:
+            self.tool_calls += len(tool_calls)
+            results = [
+                {"role": "tool", "tool_call_id": c["id"], "content": self._call(c)} for c in tool_calls
+            ]
+            return BaseTextEnvStepOutput(results, 0.0, done)
+        call = None if self.function_calling else TOOL.search(action)
         if call is None:
+            expected = "a calculator call" if self.function_calling else "<tool>...</tool>"
             return BaseTextEnvStepOutput(
-                [], 0.0, True, {"error": "neither <tool>...</tool> nor <answer>...</answer>"}
+                [], 0.0, True, {"error": f"neither {expected} nor <answer>...</answer>"}
             )
         self.tool_calls += 1
-        try:
-            result = format_number(safe_eval(call.group(1)))
-        except ValueError as e:
-            result = f"error: {e}"
-        done = self.turns >= self.max_turns
+        result = evaluate(call.group(1))
         return BaseTextEnvStepOutput([{"role": "user", "content": f"<result>{result}</result>"}], 0.0, done)
+
+    @staticmethod
+    def _call(call: ToolCall) -> str:
+        function = call["function"]
+        if function["name"] != "calculator":
+            return f"error: no tool {function['name']!r}; the tool is 'calculator'"
+        expression = function["arguments"].get("expression")
+        return (
+            evaluate(expression) if isinstance(expression, str) else "error: give the expression as a string"
+        )
 
     def get_metrics(self) -> dict[str, float]:
         return {"tool_calls": float(self.tool_calls)}
 
 
-def make_dataset(num_rows: int, seed: int = 0, max_operand: int = 20) -> list[dict[str, Any]]:
-    """Deterministic rows of 2-3 operation expressions with their `answer`."""
+def make_dataset(
+    num_rows: int, seed: int = 0, max_operand: int = 20, function_calling: bool = False
+) -> list[dict[str, Any]]:
+    """Deterministic rows of 2-3 operation expressions with their `answer`; the system prompt describes the
+    text protocol, or the calculator function with `function_calling`."""
     rng = random.Random(seed)
     rows = []
     for _ in range(num_rows):
@@ -121,7 +168,7 @@ def make_dataset(num_rows: int, seed: int = 0, max_operand: int = 20) -> list[di
             if rng.random() < 0.3:
                 expression = f"({expression})"
         prompt: list[Message] = [
-            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "system", "content": FUNCTION_CALLING_PROMPT if function_calling else SYSTEM_PROMPT},
             {"role": "user", "content": expression},
         ]
         rows.append(

@@ -231,7 +231,8 @@ def load_datasets(cfg: SkyRLConfig, tokenizer: Any) -> tuple[PromptDataset, Prom
             g = env.config.get("guess_number", {})
             records = guess_number.make_dataset(num, seed, g.get("min_value", 1), g.get("max_value", 8))
         elif env.env_class == "calculator":
-            records = calculator.make_dataset(num, seed)
+            calls = env.config.get("calculator", {}).get("function_calling", False)
+            records = calculator.make_dataset(num, seed, function_calling=calls)
         else:
             raise ValueError(
                 f"data.train_path is null but environment.env_class={env.env_class!r} has no prompt generator; "

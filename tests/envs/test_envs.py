@@ -188,3 +188,45 @@ def test_calculator_dataset_answers_are_correct_and_deterministic():
     for row in rows:
         expression = row["prompt"][1]["content"]
         assert row["answer"] == calculator.format_number(calculator.safe_eval(expression))
+
+
+def test_calculator_with_function_calling_declares_its_tool_and_answers_calls_as_tool_messages():
+    env = make("calculator", {"function_calling": True}, {"answer": "27"})
+    (tool,) = env.tools()
+    assert tool["function"]["name"] == "calculator"
+    assert tool["function"]["parameters"]["required"] == ["expression"]
+    calls = [
+        {
+            "id": "a",
+            "type": "function",
+            "function": {"name": "calculator", "arguments": {"expression": "3 * (4 + 5)"}},
+        },
+        {"id": "b", "type": "function", "function": {"name": "search", "arguments": {}}},
+        {
+            "id": "c",
+            "type": "function",
+            "function": {"name": "calculator", "arguments": {"expression": "1/0"}},
+        },
+    ]
+    out = env.step("", calls)
+    assert [(m["role"], m["tool_call_id"]) for m in out.observations] == [
+        ("tool", "a"),
+        ("tool", "b"),
+        ("tool", "c"),
+    ]
+    assert [m["content"] for m in out.observations] == [
+        "27",
+        "error: no tool 'search'; the tool is 'calculator'",
+        "error: division by zero",
+    ]
+    assert not out.done and env.get_metrics() == {"tool_calls": 3.0}
+    assert (
+        env.step("<tool>1</tool>", []).metadata["error"]
+        == "neither a calculator call nor <answer>...</answer>"
+    )
+    assert make("calculator", {}, {"answer": "1"}).tools() is None  # the text protocol by default
+    rows = calculator.make_dataset(2, seed=1, function_calling=True)
+    assert (
+        "<tool>" not in rows[0]["prompt"][0]["content"]
+        and rows[0]["answer"] == calculator.make_dataset(2, 1)[0]["answer"]
+    )
