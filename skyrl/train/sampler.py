@@ -224,12 +224,12 @@ def load_datasets(cfg: SkyRLConfig, tokenizer: Any) -> tuple[PromptDataset, Prom
     """Train and eval prompts from files, or generated for the environment when no file is given."""
     from skyrl.envs import calculator, guess_number
 
-    d, env = cfg.data, cfg.environment
+    data, env = cfg.data, cfg.environment
 
     def generated(num: int, seed: int, source: str) -> PromptDataset:
         if env.env_class == "guess_number":
-            g = env.config.get("guess_number", {})
-            records = guess_number.make_dataset(num, seed, g.get("min_value", 1), g.get("max_value", 8))
+            game = env.config.get("guess_number", {})
+            records = guess_number.make_dataset(num, seed, game.get("min_value", 1), game.get("max_value", 8))
         elif env.env_class == "calculator":
             calls = env.config.get("calculator", {}).get("function_calling", False)
             records = calculator.make_dataset(num, seed, function_calling=calls)
@@ -238,17 +238,19 @@ def load_datasets(cfg: SkyRLConfig, tokenizer: Any) -> tuple[PromptDataset, Prom
                 f"data.train_path is null but environment.env_class={env.env_class!r} has no prompt generator; "
                 "set data.train_path to a parquet/jsonl file (generators exist for guess_number and calculator)"
             )
-        return PromptDataset.from_records(records, tokenizer, d.max_prompt_length, source)
+        return PromptDataset.from_records(records, tokenizer, data.max_prompt_length, source)
 
     seed = cfg.trainer.seed
-    if d.train_path:
-        train = PromptDataset.from_path(d.train_path, tokenizer, d.max_prompt_length)
+    if data.train_path:
+        train = PromptDataset.from_path(data.train_path, tokenizer, data.max_prompt_length)
     else:
-        train = generated(d.num_generated_train_prompts, seed, f"generated {env.env_class} train prompts")
-    if d.eval_path:
-        evals = PromptDataset.from_path(d.eval_path, tokenizer, d.max_prompt_length)
-    elif d.train_path is None and (cfg.trainer.eval_interval or cfg.trainer.eval_before_train):
-        evals = generated(d.num_generated_eval_prompts, seed + 1, f"generated {env.env_class} eval prompts")
+        train = generated(data.num_generated_train_prompts, seed, f"generated {env.env_class} train prompts")
+    if data.eval_path:
+        evals = PromptDataset.from_path(data.eval_path, tokenizer, data.max_prompt_length)
+    elif data.train_path is None and (cfg.trainer.eval_interval or cfg.trainer.eval_before_train):
+        evals = generated(
+            data.num_generated_eval_prompts, seed + 1, f"generated {env.env_class} eval prompts"
+        )
     else:
         evals = None
     return train, evals

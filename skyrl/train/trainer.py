@@ -142,14 +142,6 @@ class Trainer:
         return self.cluster.groups.policy
 
     @property
-    def ref(self) -> ActorGroup | None:
-        return self.cluster.groups.ref
-
-    @property
-    def critic(self) -> ActorGroup | None:
-        return self.cluster.groups.critic
-
-    @property
     def weight_version(self) -> int:
         return self.weight_sync.version
 

@@ -179,7 +179,7 @@ def test_lora_learns_guess_number_with_adapter_sync_and_the_disabled_adapter_as_
     ]
     trainer = build(compose_config(overrides), tmp_path / "run", default_model_path)
     try:
-        assert trainer.ref is None and trainer.cluster.roles.ref_from_policy
+        assert trainer.cluster.groups.ref is None and trainer.cluster.roles.ref_from_policy
         merged_bytes = trainer.policy.run("sync_nbytes", False)[0]
         history = trainer.fit()
     finally:

@@ -234,7 +234,6 @@ def compute_stepwise_advantages(
     last = torch.tensor(last_rows, device=rewards.device)
     mask = response_mask.to(rewards.dtype)
     last_mask = mask[last]
-
     total_reward = rewards.new_zeros(len(trajectory_of)).index_add_(0, trajectory, rewards.sum(-1))
     last_rewards = (
         F.one_hot(_last_token(last_mask), rewards.shape[1]) * total_reward[trajectory[last]][:, None]

@@ -301,15 +301,7 @@ class RolloutManager:
             env = await self._env_call(
                 pool, None, "make", env_class, self.env.config.get(env_class, {}), row.extras
             )
-            messages, _ = await self._env_call(pool, env, "init", row.prompt)
-            tools = await self._env_call(pool, env, "tools")
-            if tools and self.tool_calls.name is None:
-                raise ConfigError(
-                    f"environment {env_class!r} declares tools, but {PARSER_KEY}={self.tool_calls.requested!r} "
-                    "parses no tool calls for this model (its chat template writes no tool-call tags, or vLLM is "
-                    "missing); set the parser, e.g. hermes for Qwen2.5"
-                )
-            context = self.template.prompt(messages, tools)
+            context, tools = await self._prompt(pool, env, env_class, row)
             stop_reason, total = "max_turns", 0.0
             for _ in range(self.cfg.max_turns):
                 if len(context) >= self.cfg.max_input_length:
@@ -322,13 +314,7 @@ class RolloutManager:
                     stop_reason = "abort"
                     break
                 response = list(out.response_ids)
-                text = self.tokenizer.decode(response, skip_special_tokens=True)
-                if tools:
-                    step = await self._env_call(
-                        pool, env, "step", text, self._tool_calls(response, text, tools)
-                    )
-                else:
-                    step = await self._env_call(pool, env, "step", text)
+                step = await self._step(pool, env, response, tools)
                 logprobs, mask = list(out.logprobs), [1] * len(response)
                 turns.append(
                     Turn(list(context), response, logprobs, mask, float(step.reward), out.weight_version)
@@ -360,13 +346,41 @@ class RolloutManager:
                 except EnvFailure as e:
                     logger.warning("episode %s: %s", trajectory_id, e)
 
-    def _tool_calls(self, response: list[int], text: str, tools: list[dict[str, Any]]) -> list[ToolCall]:
-        """The calls in `response`, as the endpoint parses them, arguments as objects."""
+    async def _prompt(
+        self,
+        pool: DaemonThreadPool | EnvProcessPool,
+        env: BaseTextEnv | RemoteEnv,
+        env_class: str,
+        row: PromptRow,
+    ) -> tuple[list[int], list[dict[str, Any]] | None]:
+        """The episode's first context (the env's `init` messages, with its tools) and its tools."""
+        messages, _ = await self._env_call(pool, env, "init", row.prompt)
+        tools = await self._env_call(pool, env, "tools")
+        if tools and self.tool_calls.name is None:
+            raise ConfigError(
+                f"environment {env_class!r} declares tools, but {PARSER_KEY}={self.tool_calls.requested!r} "
+                "parses no tool calls for this model (its chat template writes no tool-call tags, or vLLM is "
+                "missing); set the parser, e.g. hermes for Qwen2.5"
+            )
+        return self.template.prompt(messages, tools), tools
+
+    async def _step(
+        self,
+        pool: DaemonThreadPool | EnvProcessPool,
+        env: BaseTextEnv | RemoteEnv,
+        response: list[int],
+        tools: list[dict[str, Any]] | None,
+    ) -> Any:
+        """The env's step on `response`'s text (and, for an env with tools, its calls as the endpoint
+        parses them, arguments as objects)."""
+        text = self.tokenizer.decode(response, skip_special_tokens=True)
+        if not tools:
+            return await self._env_call(pool, env, "step", text)
         raw = self.tokenizer.decode(response, skip_special_tokens=False)
-        calls = self.tool_calls.parse(raw, text, tools, parallel=True).tool_calls
-        return (
-            template_messages([{"role": "assistant", "tool_calls": calls}])[0]["tool_calls"] if calls else []
-        )
+        calls: list[ToolCall] = self.tool_calls.parse(raw, text, tools, parallel=True).tool_calls
+        if calls:
+            calls = template_messages([{"role": "assistant", "tool_calls": calls}])[0]["tool_calls"]
+        return await self._env_call(pool, env, "step", text, calls)
 
     def _placeholder(self, row: PromptRow) -> list[Turn]:
         return self.template.placeholder(row.prompt, self.client.weight_version)

@@ -5,22 +5,13 @@ that served the session before, so every turn of a trajectory reuses that
 engine's prefix cache; a new session or a request without one goes to the engine
 with the fewest requests in flight (ties: the one routed to least often).
 
-Weight sync, three paths behind one version counter:
-- object store (`update_weights`): the named tensors are `ray.put` once and every
-  engine fetches them, validates the update, loads it and resets its prefix cache.
-- broadcast (`init_weight_sync`, `broadcast_weights`): the engines join a process
-  group with the policy's rank 0 (NCCL on GPU, gloo on CPU; see `weight_sync`),
-  check the spec of the update, then receive it group by group.
-- shared memory (`share_weights`, colocated engines): the engines check the spec,
-  then each policy rank hands its engine one group at a time through CUDA IPC or
-  /dev/shm (see `shared_weights`).
-Each way the client's `weight_version` advances once every engine has the update.
+Weight updates (three paths behind one version counter) are `engine_weights.EngineWeights`, restarting
+a dead engine with the current weights `engine_restarts.EngineRestarts`; both are mixed into the client.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
@@ -30,21 +21,15 @@ from functools import partial
 from typing import Any
 
 import ray
-import torch
 from ray.actor import ActorHandle
 
 from skyrl.train.inference.config import ENGINE_KEY, resolve_backend, validate_engine_config
 from skyrl.train.inference.engine import EngineHealth, GenerationOutput, SamplingParams
-from skyrl.train.inference.weight_sync import WeightSyncGroup
-from skyrl.train.inference.weights import StreamSpec
+from skyrl.train.inference.engine_restarts import EngineDeadError, EngineRestarts
+from skyrl.train.inference.engine_weights import EngineWeights, gather
 from skyrl.train.schema import InferenceEngineConfig
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """An engine actor died; the message's first line names the engine, the rest Ray's cause and how
-    a program holding the client restarts it."""
 
 
 # A restarted engine may fail its start while its predecessor's process still holds the GPU memory
@@ -120,7 +105,7 @@ def resolve_engine_config(
     return dataclasses.replace(cfg, backend=resolve_backend(cfg), device=device)
 
 
-class InferenceEngineClient:
+class InferenceEngineClient(EngineRestarts, EngineWeights):
     """Routes generation over N engine actors and keeps them in sync.
 
     Use it from one event loop at a time (a fresh `asyncio.run` per call is fine).
@@ -301,42 +286,6 @@ class InferenceEngineClient:
                     self._in_flight[index] -= 1
                 await self._revive(index, engine, dead)
 
-    async def _revive(self, index: int, engine: ActorHandle, error: EngineDeadError) -> None:
-        """Restart engine `index` (unless a request that saw it die already did); `EngineDeadError`
-        naming the engine and the cause once `max_restarts` restarts were made."""
-        async with self._restart_guard():
-            if self._engines[index] is not engine:
-                return
-            if index not in self._restarting:
-                if not self.max_restarts:
-                    raise error
-                lines = str(error).splitlines()
-                cause = lines[1] if len(lines) > 1 else lines[0]  # "Ray reports: ..."
-                if self.restarts >= self.max_restarts:
-                    raise EngineDeadError(
-                        f"inference engine {index} died again after {self.restarts} restart(s), the run's "
-                        f"limit (generator.max_engine_restarts={self.max_restarts}); last cause: {cause}"
-                    ) from error
-                logger.warning("inference engine %d died (%s); restarting it", index, cause)
-                self.restarts += 1
-                self._restarting[index] = asyncio.ensure_future(self._restart_once(index))
-            # shielded: a caller cancelled meanwhile (e.g. its draw discarded) leaves the restart running,
-            # and the next caller waits for it instead of starting another (and leaking this one's actor)
-            await asyncio.shield(self._restarting[index])
-
-    async def _restart_once(self, index: int) -> None:
-        try:
-            await self.restart_engine(index)
-        finally:
-            del self._restarting[index]
-
-    def _restart_guard(self) -> asyncio.Lock:
-        """The lock every restart holds, on this event loop."""
-        loop = asyncio.get_running_loop()
-        if self._restart_lock is None or self._restart_lock[0] is not loop:
-            self._restart_lock = (loop, asyncio.Lock())
-        return self._restart_lock[1]
-
     async def _submit(self, index: int, prompt: list[int], params: SamplingParams) -> GenerationOutput:
         """Queue one request for engine `index`; every request queued in the same event-loop step
         travels in one `generate_batch` call (a Ray call costs ~0.5 ms, a 100-request turn ~50 ms)."""
@@ -385,95 +334,7 @@ class InferenceEngineClient:
                         raise
                     await self._revive(index, engine, error)
 
-        return await _gather(*(call(i) for i in range(len(self._engines))))
-
-    def _check_version(self, version: int, resend: bool = False) -> None:
-        if resend:  # the current weights again, e.g. to a restarted engine
-            if version != self._weight_version:
-                raise ValueError(
-                    f"a resend carries the current weight version {self._weight_version}, not {version}."
-                )
-            return
-        if version <= self._weight_version:
-            raise ValueError(
-                f"weight version {version} must be greater than the current {self._weight_version}."
-            )
-
-    async def update_weights(
-        self, named_tensors: Mapping[str, torch.Tensor] | ray.ObjectRef, version: int
-    ) -> None:
-        """Push weights to every engine: put once in the object store (or pass a ref to CPU tensors
-        already there), each engine fetches, validates, loads and resets its prefix cache. `version`
-        must exceed `weight_version`, which becomes `version` once all engines accepted. A bad update
-        raises `WeightUpdateError` from the engines and changes nothing. A dead engine is restarted and
-        updated like in `generate`; so are those found dead by `sleep`, `wake_up` and `reset_prefix_cache`."""
-        self._check_version(version)
-        if isinstance(named_tensors, ray.ObjectRef):
-            ref = named_tensors
-        else:
-            ref = ray.put({name: t.detach().cpu() for name, t in named_tensors.items()})
-        await self._call_all(
-            "update_weights", ref, version, revive=True
-        )  # a restart loads the old, then this
-        self._weight_version = version
-        self._latest_weights = ref
-
-    @property
-    def weight_sync_world_size(self) -> int:
-        """Ranks of the broadcast weight-sync group: the sender (rank 0) and every engine worker."""
-        return 1 + self.num_engines * self._ranks_per_engine
-
-    async def init_weight_sync(
-        self, group: WeightSyncGroup, join_sender: Callable[[], Awaitable[Any]]
-    ) -> None:
-        """Every engine joins `group` (ranks 1..) while `join_sender()` makes the sender join as rank 0
-        (all ranks must join together). `group.world_size` must be `weight_sync_world_size`."""
-        if group.world_size != self.weight_sync_world_size:
-            raise ValueError(
-                f"a weight-sync group of {group.world_size} ranks; this client's engines and the sender need "
-                f"{self.weight_sync_world_size} (client.weight_sync_world_size)."
-            )
-        joins = [
-            self._call(i, "init_weight_sync", group, 1 + i * self._ranks_per_engine)
-            for i in range(self.num_engines)
-        ]
-        await _gather(join_sender(), *joins)
-        self._in_sync_group = True
-
-    async def broadcast_weights(
-        self, spec: StreamSpec, version: int, send: Callable[[], Awaitable[Any]], resend: bool = False
-    ) -> None:
-        """Weight sync by broadcast: every engine checks `spec` (a bad update raises `WeightUpdateError`
-        and nothing is sent; a dead engine is restarted first, see `restart_engine`), then `send()`
-        broadcasts the groups of `spec` in order while every engine receives and loads them. `version`
-        as in `update_weights`; with `resend`, the current version (the same weights again)."""
-        self._check_version(version, resend)
-        if not self._in_sync_group:
-            raise RuntimeError(
-                "the engines have not joined a weight-sync group; call init_weight_sync first."
-            )
-        await self._call_all("check_weight_spec", spec, revive=not resend)
-        await _gather(send(), self._call_all("receive_weights", spec, version))
-        self._weight_version = version
-        self._latest_weights = None
-
-    async def share_weights(
-        self,
-        spec: StreamSpec,
-        version: int,
-        send: Callable[[tuple[ActorHandle, ...]], Awaitable[Any]],
-        resend: bool = False,
-    ) -> None:
-        """Weight sync through shared memory, for engines on their sender's node (and GPU): every engine
-        checks `spec` (a bad update raises `WeightUpdateError` and nothing is sent; a dead engine is
-        restarted first, see `restart_engine`), then `send(engines)` hands the groups of `spec` to the
-        engines with `load_shared_weights`, the last group of each with `version` (e.g.
-        `FSDPWorker.share_weights` on every policy rank). `version` and `resend` as in `broadcast_weights`."""
-        self._check_version(version, resend)
-        await self._call_all("check_weight_spec", spec, revive=not resend)
-        await send(self.engines)
-        self._weight_version = version
-        self._latest_weights = None
+        return await gather(*(call(i) for i in range(len(self._engines))))
 
     async def reset_prefix_cache(self) -> None:
         """Reset every engine's prefix cache."""
@@ -490,46 +351,6 @@ class InferenceEngineClient:
     async def health(self) -> list[EngineHealth]:
         """Every engine's health, in engine order; `EngineDeadError` if one is dead."""
         return await self._call_all("health")
-
-    async def restart_engine(self, index: int) -> None:
-        """Replace engine `index` with a fresh actor that gets the current weights.
-
-        Only for clients built by `from_config`. After `update_weights` the client keeps the latest
-        update in the object store and applies it; after a broadcast or shared-memory sync it keeps
-        no copy and awaits `restore_weights(client)`, which re-sends the weights to every engine
-        (broadcast engines first join a new group: a group has a fixed size); without one the restart
-        is refused. Then `on_restart(client, index)` runs in a thread. Requests for the engine wait
-        until it holds the current weights (when `generate` restarted it).
-        """
-        needs_restorer = self._in_sync_group or bool(self._weight_version and self._latest_weights is None)
-        if needs_restorer and self._restore_weights is None:
-            if self._in_sync_group:
-                raise RuntimeError(
-                    "engines in a broadcast weight-sync group cannot be restarted one by one (the group has a "
-                    "fixed size) without restore_weights to form a new one; restart the run, which resumes "
-                    "from its last checkpoint."
-                )
-            raise RuntimeError(
-                f"the engines hold weight version {self._weight_version}, sent through shared memory, and no "
-                "copy is kept to restore a restarted engine; restart the run, which resumes from its last "
-                "checkpoint, or use weight_sync=object_store."
-            )
-        if self._factory is None:
-            raise RuntimeError(
-                "this client was built from actor handles and cannot start engines; "
-                "build it with InferenceEngineClient.from_config to restart engines."
-            )
-        await _stop(self._engines[index])
-        engine = await asyncio.to_thread(self._factory, index)
-        if self._latest_weights is not None:
-            await engine.update_weights.remote(self._latest_weights, self._weight_version)
-        self._engines[index] = engine  # its requests in flight failed and were counted out
-        if needs_restorer:
-            assert self._restore_weights is not None
-            await self._restore_weights(self)
-        if self._on_restart is not None:
-            await asyncio.to_thread(self._on_restart, self, index)
-        logger.info("restarted inference engine %d", index)
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Shut every engine down (reaping its child processes), then kill the actors."""
@@ -561,20 +382,3 @@ def _restarted(
     engine = start(index)
     wait_until_serving([engine], cfg, resources)
     return engine
-
-
-async def _stop(engine: ActorHandle, timeout_s: float = 30.0) -> None:
-    """End an engine actor: a live one shuts down first (releasing its accelerator memory), at most
-    `timeout_s`; then the actor is killed either way."""
-    with contextlib.suppress(ray.exceptions.RayError, TimeoutError):  # dead or hanging: the kill ends it
-        await asyncio.wait_for(engine.shutdown.remote(), timeout_s)
-    ray.kill(engine, no_restart=True)
-
-
-async def _gather(*awaitables: Awaitable[Any]) -> list[Any]:
-    """Await all, then raise the first error (no call is left running behind an early failure)."""
-    results = await asyncio.gather(*awaitables, return_exceptions=True)
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
-    return results

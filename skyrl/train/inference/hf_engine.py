@@ -76,6 +76,21 @@ class _Processor:
         return scores
 
 
+def _warpers(params: SamplingParams) -> list:
+    """The allowed-token mask, then (when sampling) temperature, top-k and top-p, as transformers' warpers."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    warpers: list = [_AllowedTokens(params.allowed_token_ids)] if params.allowed_token_ids else []
+    if params.temperature != 0:
+        if params.temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(params.temperature))
+        if params.top_k is not None:
+            warpers.append(TopKLogitsWarper(params.top_k))
+        if params.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(params.top_p))
+    return warpers
+
+
 class _RowTracker:
     """Per-row bookkeeping inside one `generate` call: stop conditions and sampled-token logprobs.
 
@@ -247,14 +262,7 @@ class HFEngine(InferenceEngine):
 
     @torch.inference_mode()
     def _generate_batch(self, group: list[_Request]) -> list[GenerationOutput]:
-        from transformers import (
-            GenerationConfig,
-            LogitsProcessorList,
-            StoppingCriteriaList,
-            TemperatureLogitsWarper,
-            TopKLogitsWarper,
-            TopPLogitsWarper,
-        )
+        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
         params = group[0].params
         prompt_lens = [len(r.prompt) for r in group]
@@ -263,14 +271,7 @@ class HFEngine(InferenceEngine):
         attention_mask = torch.tensor([[0] * (width - n) + [1] * n for n in prompt_lens])
         max_tokens = [r.params.max_tokens for r in group]
         greedy = params.temperature == 0
-        warpers = [_AllowedTokens(params.allowed_token_ids)] if params.allowed_token_ids else []
-        if not greedy:
-            if params.temperature != 1.0:
-                warpers.append(TemperatureLogitsWarper(params.temperature))
-            if params.top_k is not None:
-                warpers.append(TopKLogitsWarper(params.top_k))
-            if params.top_p < 1.0:
-                warpers.append(TopPLogitsWarper(params.top_p))
+        warpers = _warpers(params)
         processor = _Processor(warpers, keep=params.logprobs) if warpers or params.logprobs else None
         tracker = _RowTracker(
             prompt_lens,

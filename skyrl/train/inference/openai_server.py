@@ -2,8 +2,9 @@
 
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`; with
 `stream=true` the answer comes as OpenAI's server-sent events, built from the finished generation
-(`stream_chunks`: what is recorded is the same either way). Chat prompts are built with the tokenizer's chat template, with the request's
-`tools`; answers carry parsed `tool_calls` (OpenAI function calling, see `inference.tools`).
+(`openai_format.stream_chunks`: what is recorded is the same either way). Chat prompts are built with
+the tokenizer's chat template, with the request's `tools`; answers carry parsed `tool_calls` (OpenAI
+function calling, see `inference.tools`).
 Beyond the OpenAI fields, requests may set `top_k` and `stop_token_ids`, the
 `X-Session-Id` header keeps a multi-turn session on one engine, and responses
 carry `prompt_token_ids` and per-choice `token_ids`, so external harnesses can
@@ -18,100 +19,31 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
-import time
-import uuid
-from collections.abc import AsyncIterator, Iterator
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from skyrl.train.inference.client import EngineDeadError, InferenceEngineClient
 from skyrl.train.inference.config import validate_server_config
 from skyrl.train.inference.engine import GenerationOutput, SamplingParams
+from skyrl.train.inference.openai_format import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+    chat_choice,
+    completion_choice,
+    reply,
+    response_body,
+)
 from skyrl.train.inference.tools import ToolCalls, ToolRequestError, check_tool_choice, template_messages
 from skyrl.train.schema import OpenAIServerConfig
 
 # How long an idle client connection stays open. Agents idle while the run trains; with uvicorn's
 # default (5 s) the server closed pooled connections just as clients reused them (connection errors).
 KEEP_ALIVE_S = 900
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class _SamplingRequest(BaseModel):
-    model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=1)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    n: int = Field(default=1, ge=1, le=64)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-
-
-class CompletionRequest(_SamplingRequest):
-    """`prompt` is a string (tokenized with special tokens, as vLLM does) or a list of token ids."""
-
-    prompt: str | list[int]
-    logprobs: int | None = Field(default=None, ge=0)
-
-
-class FunctionDefinition(BaseModel):
-    name: str = Field(min_length=1)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ToolDefinition(BaseModel):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class FunctionName(BaseModel):
-    name: str
-
-
-class NamedToolChoice(BaseModel):
-    type: Literal["function"]
-    function: FunctionName
-
-
-class CalledFunction(BaseModel):
-    name: str
-    arguments: str
-
-
-class ToolCall(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: CalledFunction
-
-
-class ChatMessage(BaseModel):
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
-    name: str | None = None
-
-
-class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    tools: list[ToolDefinition] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
 
 
 class APIError(Exception):
@@ -271,51 +203,40 @@ class OpenAIServer:
             }
 
         @app.post("/v1/completions")
-        async def completions(body: CompletionRequest, request: Request) -> dict:
-            self._check_model(body.model)
-            if isinstance(body.prompt, str):
-                prompt_ids = self.tokenizer.encode(body.prompt)
-            else:
-                prompt_ids = body.prompt
-            params = self._sampling_params(body, body.max_tokens, logprobs=body.logprobs is not None)
-            prompt_ids, outputs, answers = await self._generate(
-                prompt_ids, None, params, body.n, request.headers.get("x-session-id")
-            )
-            choices = []
-            for i, (out, answer) in enumerate(zip(outputs, answers, strict=True)):
-                choice: dict[str, Any] = {
-                    "index": i,
-                    "text": answer["content"],
-                    "finish_reason": out.stop_reason,
-                    "token_ids": out.response_ids,
-                    "logprobs": None,
-                }
-                if out.logprobs is not None:
-                    choice["logprobs"] = {
-                        "tokens": self.tokenizer.convert_ids_to_tokens(out.response_ids),
-                        "token_logprobs": out.logprobs,
-                    }
-                choices.append(choice)
-            return self._reply(body, self._response("text_completion", prompt_ids, outputs, choices))
+        async def completions(body: CompletionRequest, request: Request) -> Any:
+            return await self._complete(body, request.headers.get("x-session-id"))
 
         @app.post("/v1/chat/completions")
-        async def chat_completions(body: ChatCompletionRequest, request: Request) -> dict:
-            self._check_model(body.model)
-            messages, tools = self._chat_request(body)
-            params = self._sampling_params(
-                body, body.max_completion_tokens or body.max_tokens, logprobs=body.logprobs
-            )
-            session_id = request.headers.get("x-session-id")
-            prompt_ids, outputs, answers = await self._generate(
-                None, messages, params, body.n, session_id, tools, body.parallel_tool_calls
-            )
-            choices = [
-                self._chat_choice(i, out, answer)
-                for i, (out, answer) in enumerate(zip(outputs, answers, strict=True))
-            ]
-            return self._reply(body, self._response("chat.completion", prompt_ids, outputs, choices))
+        async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+            return await self._chat(body, request.headers.get("x-session-id"))
 
         return app
+
+    async def _complete(self, body: CompletionRequest, session_id: str | None) -> Any:
+        self._check_model(body.model)
+        prompt_ids = self.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
+        params = self._sampling_params(body, body.max_tokens, logprobs=body.logprobs is not None)
+        prompt_ids, outputs, answers = await self._generate(prompt_ids, None, params, body.n, session_id)
+        choices = [
+            completion_choice(self.tokenizer, i, out, answer)
+            for i, (out, answer) in enumerate(zip(outputs, answers, strict=True))
+        ]
+        return reply(body, response_body("text_completion", self.model_name, prompt_ids, outputs, choices))
+
+    async def _chat(self, body: ChatCompletionRequest, session_id: str | None) -> Any:
+        self._check_model(body.model)
+        messages, tools = self._chat_request(body)
+        params = self._sampling_params(
+            body, body.max_completion_tokens or body.max_tokens, logprobs=body.logprobs
+        )
+        prompt_ids, outputs, answers = await self._generate(
+            None, messages, params, body.n, session_id, tools, body.parallel_tool_calls
+        )
+        choices = [
+            chat_choice(self.tokenizer, i, out, answer)
+            for i, (out, answer) in enumerate(zip(outputs, answers, strict=True))
+        ]
+        return reply(body, response_body("chat.completion", self.model_name, prompt_ids, outputs, choices))
 
     def _chat_request(
         self, body: ChatCompletionRequest
@@ -332,46 +253,6 @@ class OpenAIServer:
         except ToolRequestError as exc:
             raise APIError(400, str(exc)) from exc
 
-    def _chat_choice(self, index: int, out: GenerationOutput, answer: dict[str, Any]) -> dict[str, Any]:
-        """A chat completion's choice: the answer as OpenAI's message (tool-call arguments as JSON strings,
-        `finish_reason` "tool_calls" when it ended in calls) with its token ids and logprobs."""
-        logprobs = None
-        if out.logprobs is not None:
-            tokens = self.tokenizer.convert_ids_to_tokens(out.response_ids)
-            logprobs = {
-                "content": [
-                    {"token": t, "logprob": lp, "top_logprobs": []}
-                    for t, lp in zip(tokens, out.logprobs, strict=True)
-                ]
-            }
-        message: dict[str, Any] = {"role": "assistant", "content": answer.get("content")}
-        calls = answer.get("tool_calls")
-        if calls:
-            message["tool_calls"] = [
-                {
-                    **c,
-                    "function": {
-                        **c["function"],
-                        "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False),
-                    },
-                }
-                for c in calls
-            ]
-        return {
-            "index": index,
-            "message": message,
-            "finish_reason": "tool_calls" if calls and out.stop_reason == "stop" else out.stop_reason,
-            "token_ids": out.response_ids,
-            "logprobs": logprobs,
-        }
-
-    def _reply(self, body: _SamplingRequest, response: dict[str, Any]) -> dict[str, Any] | StreamingResponse:
-        """`response` as JSON, or as server-sent events for `stream=true`."""
-        if not body.stream:
-            return response
-        usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(_events(stream_chunks(response, usage)), media_type="text/event-stream")
-
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
             raise APIError(
@@ -381,7 +262,7 @@ class OpenAIServer:
             )
 
     def _sampling_params(
-        self, body: _SamplingRequest, max_tokens: int | None, logprobs: bool
+        self, body: SamplingRequest, max_tokens: int | None, logprobs: bool
     ) -> SamplingParams:
         stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
         try:
@@ -473,63 +354,3 @@ class OpenAIServer:
             return {"role": "assistant", "content": parsed.content}
         answer = template_messages([{"role": "assistant", "tool_calls": parsed.tool_calls}])[0]
         return answer | ({"content": parsed.content} if parsed.content is not None else {})
-
-    def _response(
-        self, kind: str, prompt_ids: list[int], outputs: list[GenerationOutput], choices: list
-    ) -> dict:
-        completion_tokens = sum(len(o.response_ids) for o in outputs)
-        return {
-            "id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}",
-            "object": kind,
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": choices,
-            "prompt_token_ids": prompt_ids,
-            "usage": {
-                "prompt_tokens": len(prompt_ids),
-                "completion_tokens": completion_tokens,
-                "total_tokens": len(prompt_ids) + completion_tokens,
-            },
-        }
-
-
-def stream_chunks(response: dict[str, Any], include_usage: bool = False) -> Iterator[dict[str, Any]]:
-    """A finished (chat) completion as OpenAI's stream chunks, choice by choice. Chat: a role chunk, the
-    content (with its logprobs), each tool call with its `index`, then a chunk with `finish_reason` (and
-    our `token_ids`); completions: the text, then `finish_reason`. With `include_usage` a last chunk has
-    the usage and no choices."""
-    chat = response["object"] == "chat.completion"
-    head = {key: response[key] for key in ("id", "created", "model")}
-    head["object"] = "chat.completion.chunk" if chat else "text_completion"
-
-    def chunk(index: int, finish_reason: str | None = None, **fields: Any) -> dict[str, Any]:
-        return head | {"choices": [{"index": index, **fields, "finish_reason": finish_reason}]}
-
-    for choice in response["choices"]:
-        index, last = choice["index"], {"token_ids": choice["token_ids"]}
-        if not chat:
-            yield chunk(index, text=choice["text"], logprobs=choice["logprobs"])
-            yield chunk(index, choice["finish_reason"], text="", logprobs=None, **last)
-            continue
-        message = choice["message"]
-        yield chunk(index, delta={"role": "assistant", "content": ""}, logprobs=None)
-        if message["content"]:
-            yield chunk(index, delta={"content": message["content"]}, logprobs=choice["logprobs"])
-        for k, call in enumerate(message.get("tool_calls") or ()):
-            yield chunk(index, delta={"tool_calls": [{"index": k, **call}]}, logprobs=None)
-        yield chunk(index, choice["finish_reason"], delta={}, logprobs=None, **last)
-    if include_usage:
-        yield head | {"choices": [], "usage": response["usage"]}
-
-
-async def _events(chunks: Iterator[dict[str, Any]]) -> AsyncIterator[str]:
-    """Server-sent events of `chunks`, then `[DONE]`; an error once the stream has started ends it with an
-    `error` event (the status line is already sent)."""
-    try:
-        for chunk in chunks:
-            yield f"data: {json.dumps(chunk)}\n\n"
-    except Exception as exc:
-        error = {"message": f"{type(exc).__name__}: {exc}", "type": "server_error", "code": None}
-        yield f"event: error\ndata: {json.dumps({'error': error})}\n\n"
-        return
-    yield "data: [DONE]\n\n"

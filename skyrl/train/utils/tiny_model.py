@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 # Qwen-style chat format; the generation prompt opens an assistant turn.
 CHAT_TEMPLATE = (
@@ -64,27 +65,10 @@ def create_tiny_model(
     single (not special) tokens, as a real model's tool-call tags are.
     """
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     path = Path(path)
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(CORPUS, trainer=trainer)
-    hf_tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=chat_template,
-    )
-    hf_tokenizer.add_tokens(list(added_tokens))
+    hf_tokenizer = build_tokenizer(vocab_size, chat_template, added_tokens)
     config = Qwen2Config(
         vocab_size=len(hf_tokenizer),
         hidden_size=hidden_size,
@@ -107,6 +91,32 @@ def create_tiny_model(
     model.save_pretrained(path)
     hf_tokenizer.save_pretrained(path)
     return path
+
+
+def build_tokenizer(vocab_size: int, chat_template: str, added_tokens: tuple[str, ...] = ()) -> Any:
+    """A byte-level BPE tokenizer learnt from `CORPUS` (Qwen's special tokens, `chat_template`), with
+    `added_tokens` as single (not special) tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer=trainer)
+    hf_tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=chat_template,
+    )
+    hf_tokenizer.add_tokens(list(added_tokens))
+    return hf_tokenizer
 
 
 def default_tiny_model_path() -> Path:

@@ -19,7 +19,7 @@ from skyrl.train.dataset.prompt_dataset import PromptRow
 from skyrl.train.generator.agent import AgentGenerator, AgentResult, AgentSessions, ClientInfo
 from skyrl.train.generator.rollout import RolloutManager
 from skyrl.train.inference.engine import GenerationOutput, SamplingParams
-from skyrl.train.inference.openai_server import ToolDefinition
+from skyrl.train.inference.openai_format import ToolDefinition, chat_choice
 from skyrl.train.inference.tools import ToolCalls, template_messages
 from skyrl.train.schema import EnvironmentConfig, GeneratorConfig, OpenAIServerConfig, SamplingConfig
 from skyrl.train.utils.errors import ConfigError
@@ -173,8 +173,8 @@ def test_without_tools_or_with_tool_choice_none_the_prompt_has_no_tools_section(
 def answer(server, tokenizer, text, parallel=True):
     """What the endpoint answers for an engine output whose tokens are `text`."""
     out = GenerationOutput(tokenizer.encode(text), None, "stop", 0)
-    return server._chat_choice(
-        0, out, server._answer(out, SamplingParams(max_tokens=64), [WEATHER], parallel)
+    return chat_choice(
+        tokenizer, 0, out, server._answer(out, SamplingParams(max_tokens=64), [WEATHER], parallel)
     )
 
 
