@@ -59,7 +59,7 @@ def run(staleness: int, inflight: bool, steps: int, run_dir: Path) -> tuple[list
     model = resolve_model_path(cfg.trainer.policy.model.path)
     trainer = Trainer(cfg, run_dir, model, load_datasets(cfg, AutoTokenizer.from_pretrained(model)))
     try:
-        return trainer.fit(), trainer.pinned_to_cores
+        return trainer.fit(), trainer.cluster.pinned_to_cores
     finally:
         trainer.shutdown()
 
