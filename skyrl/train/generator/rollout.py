@@ -40,7 +40,7 @@ from skyrl.train.dataset.preprocess import Trajectory, Turn, prefix_consistent
 from skyrl.train.dataset.prompt_dataset import PromptRow
 from skyrl.train.generator.env_processes import EnvFailure, EnvProcessPool, RemoteEnv
 from skyrl.train.inference.engine import SamplingParams
-from skyrl.train.inference.tools import PARSER_KEY, ToolCalls, template_messages
+from skyrl.train.inference.tools import PARSER_KEY, ToolCalls
 from skyrl.train.schema import EnvironmentConfig, GeneratorConfig, SamplingConfig
 from skyrl.train.utils.daemon_pool import DaemonThreadPool
 from skyrl.train.utils.errors import ConfigError
@@ -378,8 +378,6 @@ class RolloutManager:
             return await self._env_call(pool, env, "step", text)
         raw = self.tokenizer.decode(response, skip_special_tokens=False)
         calls: list[ToolCall] = self.tool_calls.parse(raw, text, tools, parallel=True).tool_calls
-        if calls:
-            calls = template_messages([{"role": "assistant", "tool_calls": calls}])[0]["tool_calls"]
         return await self._env_call(pool, env, "step", text, calls)
 
     def _placeholder(self, row: PromptRow) -> list[Turn]:

@@ -352,5 +352,5 @@ class OpenAIServer:
         parsed = self.tool_calls.parse(self._text(out, params, False), text, tools, parallel)
         if not parsed.tool_calls:
             return {"role": "assistant", "content": parsed.content}
-        answer = template_messages([{"role": "assistant", "tool_calls": parsed.tool_calls}])[0]
+        answer = {"role": "assistant", "tool_calls": parsed.tool_calls}
         return answer | ({"content": parsed.content} if parsed.content is not None else {})

@@ -107,8 +107,9 @@ def check_tool_choice(tools: list[dict[str, Any]] | None, tool_choice: str | dic
 
 @dataclass
 class Parsed:
-    """What one answer says: its text `content` (None when it is only calls) and its `tool_calls` in
-    OpenAI's format (`id`, `type`, `function.name`, `function.arguments` as a JSON string)."""
+    """What one answer says: its text `content` (None when it is only calls) and its `tool_calls` as chat
+    templates and envs take them (`id`, `type`, `function.name`, `function.arguments` as an object; the
+    endpoint sends the arguments as a JSON string)."""
 
     content: str | None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
@@ -164,7 +165,8 @@ class ToolCalls:
 
     def parse(self, text: str, content: str, tools: list[dict[str, Any]], parallel: bool) -> Parsed:
         """The calls in `text` (the answer decoded with special tokens kept); `content` (decoded without
-        them) when it holds none. With `parallel` False only the first call is answered."""
+        them) when it holds none (also when a call's arguments are not JSON: a parse failure). With
+        `parallel` False only the first call is answered."""
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
         request = ChatCompletionRequest(
@@ -177,12 +179,19 @@ class ToolCalls:
             if start and start in text:
                 self.parse_failures += 1
             return Parsed(content)
-        calls = [
-            {
-                "id": call.id,
-                "type": "function",
-                "function": {"name": call.function.name, "arguments": call.function.arguments},
-            }
-            for call in info.tool_calls
-        ]
+        try:
+            calls = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": json.loads(call.function.arguments or "{}"),
+                    },
+                }
+                for call in info.tool_calls
+            ]
+        except json.JSONDecodeError:
+            self.parse_failures += 1
+            return Parsed(content)
         return Parsed(info.content or None, calls if parallel else calls[:1])
