@@ -147,6 +147,7 @@ class AgentSessions:
         params: SamplingParams,
         n: int,
         tools: list[dict[str, Any]] | None = None,
+        opening: list[int] = (),
     ) -> tuple[list[int], SamplingParams] | None:
         session = self._session(session_id)
         if session is None:
@@ -155,7 +156,7 @@ class AgentSessions:
             raise APIError(400, f"n={n}: a training session records one answer per request; send n=1")
         if prompt_ids is None:
             assert messages is not None, "a chat request comes with its messages"
-            prompt_ids = self._chat_prompt(session, messages, tools)
+            prompt_ids = self._chat_prompt(session, messages, tools) + list(opening)
         budget = self.max_input_length - len(prompt_ids)
         if budget < 1:
             raise APIError(

@@ -38,7 +38,13 @@ from skyrl.train.inference.openai_format import (
     reply,
     response_body,
 )
-from skyrl.train.inference.tools import ToolCalls, ToolRequestError, check_tool_choice, template_messages
+from skyrl.train.inference.tools import (
+    ToolCalls,
+    ToolRequestError,
+    ToolUse,
+    check_tool_choice,
+    template_messages,
+)
 from skyrl.train.schema import OpenAIServerConfig
 
 # How long an idle client connection stays open. Agents idle while the run trains; with uvicorn's
@@ -61,8 +67,9 @@ class SessionRecorder(Protocol):
 
     `prepare` sees each request before it generates: for a session it runs it returns the prompt
     ids and sampling parameters to generate with (a chat request comes with `messages` in the chat
-    template's form, its `tools` and `prompt_ids=None`: the recorder renders them), for any other None
-    (the request is served as usual); it may raise `APIError` (e.g. 409 for a session that has ended).
+    template's form, its `tools` and `prompt_ids=None`: the recorder renders them and appends `opening`,
+    the ids of a call's opening for a constrained `tool_choice`), for any other None (the request is
+    served as usual); it may raise `APIError` (e.g. 409 for a session that has ended).
     `record` gets what a request of its session generated; `messages` is None for a completions
     request, `answers` are the choices as answered, assistant messages in the chat template's form.
     """
@@ -75,6 +82,7 @@ class SessionRecorder(Protocol):
         params: SamplingParams,
         n: int,
         tools: list[dict[str, Any]] | None = None,
+        opening: list[int] = (),
     ) -> tuple[list[int], SamplingParams] | None: ...
 
     def record(
@@ -225,31 +233,30 @@ class OpenAIServer:
 
     async def _chat(self, body: ChatCompletionRequest, session_id: str | None) -> Any:
         self._check_model(body.model)
-        messages, tools = self._chat_request(body)
+        messages, use = self._chat_request(body)
         params = self._sampling_params(
             body, body.max_completion_tokens or body.max_tokens, logprobs=body.logprobs
         )
-        prompt_ids, outputs, answers = await self._generate(
-            None, messages, params, body.n, session_id, tools, body.parallel_tool_calls
-        )
+        prompt_ids, outputs, answers = await self._generate(None, messages, params, body.n, session_id, use)
         choices = [
             chat_choice(self.tokenizer, i, out, answer)
             for i, (out, answer) in enumerate(zip(outputs, answers, strict=True))
         ]
         return reply(body, response_body("chat.completion", self.model_name, prompt_ids, outputs, choices))
 
-    def _chat_request(
-        self, body: ChatCompletionRequest
-    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-        """The request's messages in the chat template's form and the tools offered to the model (none
-        with `tool_choice="none"`); `APIError` 400 for inconsistent tools, tool choice or messages."""
+    def _chat_request(self, body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], ToolUse | None]:
+        """The request's messages in the chat template's form and how it uses tools (None without tools
+        or with `tool_choice="none"`); `APIError` 400 for inconsistent tools, tool choice or messages."""
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
         choice = body.tool_choice
+        choice = choice.model_dump() if isinstance(choice, BaseModel) else choice
         try:
-            check_tool_choice(tools, choice.model_dump() if isinstance(choice, BaseModel) else choice)
-            tools = None if choice == "none" else tools
+            check_tool_choice(tools, choice)
+            messages = template_messages([m.model_dump(exclude_none=True) for m in body.messages])
+            if tools is None or choice == "none":
+                return messages, None
             self.tool_calls.check(tools)
-            return template_messages([m.model_dump(exclude_none=True) for m in body.messages]), tools
+            return messages, ToolUse(tools, body.parallel_tool_calls, self.tool_calls.opening(choice))
         except ToolRequestError as exc:
             raise APIError(400, str(exc)) from exc
 
@@ -294,31 +301,34 @@ class OpenAIServer:
         params: SamplingParams,
         n: int,
         session_id: str | None,
-        tools: list[dict[str, Any]] | None = None,
-        parallel_tool_calls: bool = True,
+        use: ToolUse | None = None,
     ) -> tuple[list[int], list[GenerationOutput], list[dict[str, Any]]]:
-        """The prompt ids generated from (`messages` rendered with `tools` when None), the `n` outputs
-        and their answers (assistant messages, tool calls parsed when `tools` were offered); the recorder
-        sees the requests of its sessions before and after."""
+        """The prompt ids generated from (`messages` rendered with `use.tools` and followed by the call's
+        opening when None), the `n` outputs and their answers (assistant messages, tool calls parsed when
+        tools were offered); the recorder sees the requests of its sessions before and after."""
         await self._open.wait()
         self._generating += 1
         self._idle.clear()
         try:
+            tools = use.tools if use else None
+            opening = self.tokenizer.encode(use.opening, add_special_tokens=False) if use else []
             recorder = self.recorder if session_id is not None else None
             prepared = (
-                recorder.prepare(session_id, prompt_ids, messages, params, n, tools) if recorder else None
+                recorder.prepare(session_id, prompt_ids, messages, params, n, tools, opening)
+                if recorder
+                else None
             )
             if prepared is not None:
                 prompt_ids, params = prepared
             elif prompt_ids is None:
                 assert messages is not None
-                prompt_ids = self._render(messages, tools)
+                prompt_ids = self._render(messages, tools) + opening
             outputs = list(
                 await asyncio.gather(
                     *(self.client.generate(prompt_ids, params, session_id) for _ in range(n))
                 )
             )
-            answers = [self._answer(out, params, tools, parallel_tool_calls) for out in outputs]
+            answers = [self._answer(out, params, use) for out in outputs]
             if prepared is not None:
                 recorder.record(session_id, prompt_ids, messages, outputs, answers)
             return prompt_ids, outputs, answers
@@ -337,19 +347,16 @@ class OpenAIServer:
         cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=len(text))
         return text[:cut]
 
-    def _answer(
-        self,
-        out: GenerationOutput,
-        params: SamplingParams,
-        tools: list[dict[str, Any]] | None,
-        parallel: bool,
-    ) -> dict[str, Any]:
+    def _answer(self, out: GenerationOutput, params: SamplingParams, use: ToolUse | None) -> dict[str, Any]:
         """The assistant message `out` answers, in the chat template's form (tool-call arguments as
-        objects, no content key when it is only calls)."""
+        objects, no content key when it is only calls); a call's opening written after the prompt is
+        part of the answer."""
         text = self._text(out, params)
-        if not tools:
+        if use is None:
             return {"role": "assistant", "content": text}
-        parsed = self.tool_calls.parse(self._text(out, params, False), text, tools, parallel)
+        parsed = self.tool_calls.parse(
+            use.opening + self._text(out, params, False), use.opening + text, use.tools, use.parallel
+        )
         if not parsed.tool_calls:
             return {"role": "assistant", "content": parsed.content}
         answer = {"role": "assistant", "tool_calls": parsed.tool_calls}

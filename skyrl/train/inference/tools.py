@@ -12,12 +12,18 @@ with tools get a 400).
 The parser reads the text decoded with special tokens kept; output that does not parse as a call is
 answered as plain content and counted (`ToolCalls.parse_failures`).
 
-Not done yet: `tool_choice="required"` or a named function (they need constrained decoding) get a
-400 that says so.
+`tool_choice="required"` or a named function is served by writing the opening of a call in the parser's
+format after the prompt (`CALL_OPENINGS`): the model writes the rest. The opening is part of the prompt
+(context in a training session, never trained on), so nothing is masked and the recorded logprobs are
+those of the distribution sampled from. Openings end where byte-level BPE starts a new pre-token, so
+opening + generated tokens are the template's tokens of the whole call. Parsers without a known opening
+answer such a request with a 400.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import logging
 from dataclasses import dataclass, field
@@ -28,6 +34,12 @@ from skyrl.train.utils.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 PARSER_KEY = "generator.http_endpoint.tool_parser"
+
+# The opening of a call in a parser's format, for tool_choice "required" ({name} None) and for a named
+# function; each ends before a pre-token boundary (a newline, or a space before JSON punctuation).
+CALL_OPENINGS: dict[str, tuple[str, str]] = {
+    "hermes": ("<tool_call>\n", '<tool_call>\n{{"name": {name}, "arguments":'),
+}
 
 
 class ToolRequestError(ValueError):
@@ -83,8 +95,7 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def check_tool_choice(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None) -> None:
-    """`ToolRequestError` for a `tool_choice` the request's `tools` do not allow or that needs constrained
-    decoding."""
+    """`ToolRequestError` for a `tool_choice` the request's `tools` do not allow."""
     if tool_choice is None:
         return
     if not tools:
@@ -98,11 +109,16 @@ def check_tool_choice(tools: list[dict[str, Any]] | None, tool_choice: str | dic
             raise ToolRequestError(
                 f"tool_choice names function {name!r}, which is not among the tools {names}"
             )
-    if tool_choice == "required" or isinstance(tool_choice, dict):
-        raise ToolRequestError(
-            f"tool_choice={tool_choice!r} needs constrained decoding, which this endpoint does not do yet; "
-            "send tool_choice='auto' (the model may answer with a call or with text)"
-        )
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """How a chat request uses tools: the `tools` offered to the model, whether `parallel` calls are
+    answered, and the `opening` of a call written after the prompt (`ToolCalls.opening`)."""
+
+    tools: list[dict[str, Any]]
+    parallel: bool = True
+    opening: str = ""
 
 
 @dataclass
@@ -127,18 +143,16 @@ def resolve_tool_parser(name: str, chat_template: str | None) -> str | None:
 
 class ToolCalls:
     """Tool-call parsing for one tokenizer with vLLM's parser `name` (see `resolve_tool_parser`);
-    `ConfigError` naming the key and the installed parsers when vLLM lacks it."""
+    `ConfigError` naming the key and the installed parsers when vLLM lacks it. With `auto` vLLM's parsers
+    are imported at the first parse (seconds a run that never sends tools does not pay)."""
 
     def __init__(self, tokenizer: Any, name: str):
         self.tokenizer, self.requested = tokenizer, name
         self.name = resolve_tool_parser(name, getattr(tokenizer, "chat_template", None))
         self.parse_failures = 0
-        self._parser_cls: Any = None
         if self.name is None:
             return
-        try:
-            from vllm.tool_parsers import ToolParserManager
-        except ImportError as exc:
+        if importlib.util.find_spec("vllm") is None:
             if name == "auto":  # a run that never sends tools must not need vLLM
                 logger.warning(
                     "vLLM is not installed: the endpoint parses no tool calls (%s=auto)", PARSER_KEY
@@ -148,13 +162,23 @@ class ToolCalls:
             raise ConfigError(
                 f"{PARSER_KEY}={name!r} uses vLLM's tool parsers, and vLLM is not installed; install the `cpu` "
                 f"or `vllm` extra, or set {PARSER_KEY}=none"
-            ) from exc
+            )
+        if name != "auto":
+            self._parser_cls  # noqa: B018  (a misspelt parser is a config error at start-up, not at a request)
+
+    @functools.cached_property
+    def _parser_cls(self) -> Any:
+        from vllm.tool_parsers import ToolParserManager
+
         installed = sorted(ToolParserManager.list_registered())
         if self.name not in installed:
-            raise ConfigError(f"{PARSER_KEY}={name!r} is not an installed tool parser; one of {installed}")
-        self._parser_cls = ToolParserManager.get_tool_parser(self.name)
+            raise ConfigError(
+                f"{PARSER_KEY}={self.requested!r} is not an installed tool parser; one of {installed}"
+            )
+        parser_cls = ToolParserManager.get_tool_parser(self.name)
         # a parse failure is counted and answered as content: the parser's own traceback is noise
-        logging.getLogger(self._parser_cls.__module__).setLevel(logging.CRITICAL)
+        logging.getLogger(parser_cls.__module__).setLevel(logging.CRITICAL)
+        return parser_cls
 
     def check(self, tools: list[dict[str, Any]] | None) -> None:
         if tools and self.name is None:
@@ -162,6 +186,24 @@ class ToolCalls:
                 f"this endpoint parses no tool calls ({PARSER_KEY} is none, or auto found no tool-call tags "
                 f"in the chat template); set {PARSER_KEY}, e.g. hermes for Qwen2.5"
             )
+
+    def opening(self, tool_choice: str | dict[str, Any] | None) -> str:
+        """The text written after the prompt so the answer is a call: "" for `auto`/`none`, the opening of
+        any call for `required`, of a call to the named function for `{"type": "function", ...}`;
+        `ToolRequestError` for a parser whose call format has no known opening."""
+        if tool_choice in (None, "auto", "none"):
+            return ""
+        if self.name not in CALL_OPENINGS:
+            raise ToolRequestError(
+                f"tool_choice={tool_choice!r} is served by writing the opening of a call in the tool parser's "
+                f"format, and {PARSER_KEY}={self.name!r} has none (known: {sorted(CALL_OPENINGS)}); "
+                "send tool_choice='auto'"
+            )
+        required, named = CALL_OPENINGS[self.name]
+        if tool_choice == "required":
+            return required
+        assert isinstance(tool_choice, dict)
+        return named.format(name=json.dumps(tool_choice["function"]["name"], ensure_ascii=False))
 
     def parse(self, text: str, content: str, tools: list[dict[str, Any]], parallel: bool) -> Parsed:
         """The calls in `text` (the answer decoded with special tokens kept); `content` (decoded without

@@ -20,7 +20,7 @@ from skyrl.train.generator.agent import AgentGenerator, AgentResult, AgentSessio
 from skyrl.train.generator.rollout import RolloutManager
 from skyrl.train.inference.engine import GenerationOutput, SamplingParams
 from skyrl.train.inference.openai_format import ToolDefinition, chat_choice
-from skyrl.train.inference.tools import ToolCalls, template_messages
+from skyrl.train.inference.tools import ToolCalls, ToolRequestError, ToolUse, template_messages
 from skyrl.train.schema import EnvironmentConfig, GeneratorConfig, OpenAIServerConfig, SamplingConfig
 from skyrl.train.utils.errors import ConfigError
 from skyrl.train.utils.tiny_model import create_tiny_model
@@ -174,7 +174,7 @@ def answer(server, tokenizer, text, parallel=True):
     """What the endpoint answers for an engine output whose tokens are `text`."""
     out = GenerationOutput(tokenizer.encode(text), None, "stop", 0)
     return chat_choice(
-        tokenizer, 0, out, server._answer(out, SamplingParams(max_tokens=64), [WEATHER], parallel)
+        tokenizer, 0, out, server._answer(out, SamplingParams(max_tokens=64), ToolUse([WEATHER], parallel))
     )
 
 
@@ -213,7 +213,6 @@ def test_a_call_that_does_not_parse_is_plain_content_and_counted(server, tokeniz
             {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
             "'x'",
         ),
-        ([ASKED], {"tools": [WEATHER], "tool_choice": "required"}, "constrained decoding"),
         ([ASKED], {"tool_choice": "auto"}, "only allowed with tools"),
         ([ASKED, CALLED, {**ANSWERED, "tool_call_id": "call_9"}], {"tools": [WEATHER]}, "'call_9'"),
         ([ASKED, {**ANSWERED}], {"tools": [WEATHER]}, "answers no tool call"),
@@ -237,7 +236,6 @@ def test_a_call_that_does_not_parse_is_plain_content_and_counted(server, tokeniz
     ],
     ids=[
         "unknown-named-function",
-        "required",
         "choice-without-tools",
         "unmatched-call-id",
         "tool-before-any-call",
@@ -250,6 +248,42 @@ def test_inconsistent_tool_requests_are_a_400_naming_what_is_wrong(http, message
     response = chat(http, messages, **fields)
     assert response.status_code == 400, response.text
     assert text in response.json()["error"]["message"]
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize(
+    ("choice", "opening"),
+    [("required", "<tool_call>\n"), (NAMED, '<tool_call>\n{"name": "get_weather", "arguments":')],
+    ids=["required", "named"],
+)
+def test_a_constrained_tool_choice_opens_the_call_and_the_model_completes_it_token_exact(
+    http, tokenizer, choice, opening
+):
+    """`required` / a named function: the call's opening follows the prompt (prompt ids, not answer ids),
+    the model writes the rest, and opening + answer are the template's tokens of the whole call."""
+    response = chat(http, [ASKED], tools=[WEATHER], tool_choice=choice, max_tokens=64, temperature=0)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    prompt = render(tokenizer, [ASKED])
+    assert body["prompt_token_ids"] == prompt + tokenizer.encode(opening)
+    (choice_,) = body["choices"]
+    assert choice_["finish_reason"] == "tool_calls"
+    assert choice_["message"]["tool_calls"][0]["function"] == {
+        "name": "get_weather",
+        "arguments": '{"city": "Paris"}',
+    }
+    assert body["prompt_token_ids"][len(prompt) :] + choice_["token_ids"] == tokenizer.encode(
+        CALL + "<|im_end|>"
+    )
+
+
+def test_a_parser_without_a_known_opening_refuses_a_constrained_tool_choice(tokenizer):
+    calls = ToolCalls(tokenizer, "llama3_json")
+    assert calls.opening("auto") == ""
+    with pytest.raises(ToolRequestError, match=r"tool_parser='llama3_json' has none \(known: \['hermes'\]\)"):
+        calls.opening("required")
 
 
 def test_text_content_parts_are_joined(http, tokenizer):
@@ -312,25 +346,36 @@ def test_a_streamed_completion_and_an_error_before_the_stream(http):
     assert bad.status_code == 404 and bad.json()["error"]["code"] == "model_not_found"
 
 
+@pytest.mark.parametrize(
+    ("choice", "opening"),
+    [("auto", ""), (NAMED, '<tool_call>\n{"name": "get_weather", "arguments":')],
+    ids=["auto", "named"],
+)
 def test_a_tool_session_is_recorded_as_generated_and_continued_token_for_token(
-    server, tokenizer, openai_client
+    server, tokenizer, openai_client, choice, opening
 ):
-    """An agent's session through the endpoint: the call's turn records the generated tags, and the
-    request with the tool result continues that context token for token, which is also how the
-    template renders the whole conversation (Qwen2.5's template is append-only for tool turns)."""
+    """An agent's session through the endpoint: the call's turn records the generated tags (with a named
+    tool choice the call's opening is context), and the request with the tool result continues that
+    context token for token, which is also how the template renders the whole conversation (Qwen2.5's
+    template is append-only for tool turns)."""
     sessions = AgentSessions(tokenizer, max_input_length=1024)
     server.recorder = sessions
     try:
         session = sessions.open("weather/0", SamplingParams(temperature=0.0, max_tokens=64))
         fields = {"model": MODEL, "tools": [WEATHER], "extra_headers": {"X-Session-Id": session}}
-        message = openai_client.chat.completions.create(messages=[ASKED], **fields).choices[0].message
+        message = (
+            openai_client.chat.completions.create(messages=[ASKED], tool_choice=choice, **fields)
+            .choices[0]
+            .message
+        )
         result = {**ANSWERED, "tool_call_id": message.tool_calls[0].id}
         second = openai_client.chat.completions.create(messages=[ASKED, message, result], **fields)
         assert second.choices[0].message.content == REPLY
         turns = sessions.close(session)
     finally:
         server.recorder = None
-    assert tokenizer.decode(turns[0].response_ids) == CALL + "<|im_end|>"
+    assert tokenizer.decode(turns[0].context_ids).endswith("<|im_start|>assistant\n" + opening)
+    assert opening + tokenizer.decode(turns[0].response_ids) == CALL + "<|im_end|>"
     assert prefix_consistent(Trajectory("weather", "weather/0", turns))
     assert turns[1].context_ids == render(tokenizer, [ASKED, CALLED, ANSWERED])
 
