@@ -229,9 +229,14 @@ class Cluster:
 
 
 def resolve_model_path(path: str) -> str:
-    """`tiny` -> the default tiny model's cache directory (built on first use); anything else unchanged."""
+    """`tiny` -> the default tiny model's cache directory, `tiny-tools` -> the tiny model that calls tools
+    (`utils.tiny_tools_model`), each built on first use; anything else unchanged."""
     if path == "tiny":
         from skyrl.train.utils.tiny_model import default_tiny_model_path
 
         return str(default_tiny_model_path())
+    if path == "tiny-tools":
+        from skyrl.train.utils.tiny_tools_model import tiny_tools_model_path
+
+        return str(tiny_tools_model_path())
     return path

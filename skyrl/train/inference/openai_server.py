@@ -247,7 +247,10 @@ class OpenAIServer:
     def _chat_request(self, body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], ToolUse | None]:
         """The request's messages in the chat template's form and how it uses tools (None without tools
         or with `tool_choice="none"`); `APIError` 400 for inconsistent tools, tool choice or messages."""
-        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+        # `strict` asks an API for schema-constrained arguments; it is not for the model to read
+        tools = [
+            tool.model_dump(exclude_none=True, exclude={"function": {"strict"}}) for tool in body.tools or ()
+        ] or None
         choice = body.tool_choice
         choice = choice.model_dump() if isinstance(choice, BaseModel) else choice
         try:

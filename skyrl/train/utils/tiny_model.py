@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,7 @@ def create_tiny_model(
     initializer_range: float = 0.02,
     chat_template: str = CHAT_TEMPLATE,
     added_tokens: tuple[str, ...] = (),
+    corpus: list[str] = CORPUS,
 ) -> Path:
     """Write a randomly initialised Qwen2 model and its tokenizer to `path`; returns the path.
 
@@ -62,13 +64,14 @@ def create_tiny_model(
 
     head_dim = hidden_size / num_heads must be one vLLM's CPU attention supports
     (32, 64, 80, 96, 112, 128, ...); the default is 32. Deterministic for a seed. `added_tokens` become
-    single (not special) tokens, as a real model's tool-call tags are.
+    single (not special) tokens, as a real model's tool-call tags are; the tokenizer's merges are learnt
+    from `corpus`.
     """
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     path = Path(path)
-    hf_tokenizer = build_tokenizer(vocab_size, chat_template, added_tokens)
+    hf_tokenizer = build_tokenizer(vocab_size, chat_template, added_tokens, corpus)
     config = Qwen2Config(
         vocab_size=len(hf_tokenizer),
         hidden_size=hidden_size,
@@ -93,8 +96,10 @@ def create_tiny_model(
     return path
 
 
-def build_tokenizer(vocab_size: int, chat_template: str, added_tokens: tuple[str, ...] = ()) -> Any:
-    """A byte-level BPE tokenizer learnt from `CORPUS` (Qwen's special tokens, `chat_template`), with
+def build_tokenizer(
+    vocab_size: int, chat_template: str, added_tokens: tuple[str, ...] = (), corpus: list[str] = CORPUS
+) -> Any:
+    """A byte-level BPE tokenizer learnt from `corpus` (Qwen's special tokens, `chat_template`), with
     `added_tokens` as single (not special) tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -108,7 +113,7 @@ def build_tokenizer(vocab_size: int, chat_template: str, added_tokens: tuple[str
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(CORPUS, trainer=trainer)
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
     hf_tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token="<|im_end|>",
@@ -122,13 +127,21 @@ def build_tokenizer(vocab_size: int, chat_template: str, added_tokens: tuple[str
 def default_tiny_model_path() -> Path:
     """The default model (weights at `DEFAULT_INITIALIZER_RANGE`): its directory under `$SKYRL_CACHE`
     (default `~/.cache/skyrl`), created once."""
+    return cached_model(
+        TINY_MODEL_VERSION, lambda path: create_tiny_model(path, initializer_range=DEFAULT_INITIALIZER_RANGE)
+    )
+
+
+def cached_model(name: str, create: Callable[[Path], Any]) -> Path:
+    """`$SKYRL_CACHE/name` (default `~/.cache/skyrl`), written by `create(path)` on first use; concurrent
+    creators race to an atomic rename and one wins."""
     root = Path(os.environ.get("SKYRL_CACHE", Path.home() / ".cache" / "skyrl"))
-    path = root / TINY_MODEL_VERSION
+    path = root / name
     if not (path / "config.json").exists():
-        tmp = root / f"{TINY_MODEL_VERSION}.tmp{os.getpid()}"
-        create_tiny_model(tmp, initializer_range=DEFAULT_INITIALIZER_RANGE)
+        tmp = root / f"{name}.tmp{os.getpid()}"
+        create(tmp)
         try:
-            tmp.rename(path)  # atomic: concurrent creators race, one wins
+            tmp.rename(path)
         except OSError:
             shutil.rmtree(tmp)
     return path

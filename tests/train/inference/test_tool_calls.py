@@ -5,7 +5,6 @@ weather conversation (greedy: a call to `get_weather`, then, given its result, a
 answers that carry calls are generated, not made up."""
 
 import json
-from pathlib import Path
 
 import httpx
 import openai
@@ -24,11 +23,10 @@ from skyrl.train.inference.tools import ToolCalls, ToolRequestError, ToolUse, te
 from skyrl.train.schema import EnvironmentConfig, GeneratorConfig, OpenAIServerConfig, SamplingConfig
 from skyrl.train.utils.errors import ConfigError
 from skyrl.train.utils.tiny_model import create_tiny_model
+from skyrl.train.utils.tiny_tools_model import QWEN25_TEMPLATE, TOOL_TAGS
 
 from .conftest import serving
 
-QWEN25_TEMPLATE = Path(__file__).parents[2] / "fixtures" / "qwen2_5_chat_template.jinja"
-TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 MODEL = "qwen-tools"
 WEATHER = {
     "type": "function",
@@ -79,7 +77,9 @@ def memorise(path, conversations) -> None:
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     path = create_tiny_model(
-        tmp_path_factory.mktemp("qwen-tools"), chat_template=QWEN25_TEMPLATE.read_text(), added_tokens=TAGS
+        tmp_path_factory.mktemp("qwen-tools"),
+        chat_template=QWEN25_TEMPLATE.read_text(),
+        added_tokens=TOOL_TAGS,
     )
     tokenizer = AutoTokenizer.from_pretrained(path)
     end = tokenizer.encode("<|im_end|>")
