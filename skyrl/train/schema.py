@@ -310,6 +310,8 @@ class OpenAIServerConfig:
     None means the model path. default_max_tokens applies when a request sets none.
     tool_parser: vLLM's tool-call parser for requests with `tools` (e.g. hermes for Qwen2.5); auto:
     hermes when the chat template writes `<tool_call>` tags, else none (such requests get a 400).
+    reasoning_parser: vLLM's reasoning parser (e.g. qwen3, deepseek_r1): answers carry the thinking as
+    `message.reasoning`, apart from `content`; none: the text as generated (`inference.reasoning`).
     """
 
     enabled: bool = False
@@ -319,6 +321,7 @@ class OpenAIServerConfig:
     served_model_name: str | None = None
     default_max_tokens: int = 512
     tool_parser: str = "auto"
+    reasoning_parser: str = "none"
 
 
 ENV_FAILURE_MODES = ("mask", "zero_reward")

@@ -79,6 +79,8 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning: str | None = None  # an answer's thinking, as returned (vLLM's name; some send the other)
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -122,6 +124,8 @@ def chat_choice(tokenizer: Any, index: int, out: GenerationOutput, answer: dict[
             ]
         }
     message: dict[str, Any] = {"role": "assistant", "content": answer.get("content")}
+    if "reasoning_content" in answer:
+        message["reasoning"] = answer["reasoning_content"]
     calls = answer.get("tool_calls")
     if calls:
         message["tool_calls"] = [
@@ -173,9 +177,9 @@ def reply(body: SamplingRequest, response: dict[str, Any]) -> dict[str, Any] | S
 
 def stream_chunks(response: dict[str, Any], include_usage: bool = False) -> Iterator[dict[str, Any]]:
     """A finished (chat) completion as OpenAI's stream chunks, choice by choice. Chat: a role chunk, the
-    content (with its logprobs), each tool call with its `index`, then a chunk with `finish_reason` (and
-    our `token_ids`); completions: the text, then `finish_reason`. With `include_usage` a last chunk has
-    the usage and no choices."""
+    reasoning (with a reasoning parser), the content (with its logprobs), each tool call with its
+    `index`, then a chunk with `finish_reason` (and our `token_ids`); completions: the text, then
+    `finish_reason`. With `include_usage` a last chunk has the usage and no choices."""
     chat = response["object"] == "chat.completion"
     head = {key: response[key] for key in ("id", "created", "model")}
     head["object"] = "chat.completion.chunk" if chat else "text_completion"
@@ -191,6 +195,8 @@ def stream_chunks(response: dict[str, Any], include_usage: bool = False) -> Iter
             continue
         message = choice["message"]
         yield chunk(index, delta={"role": "assistant", "content": ""}, logprobs=None)
+        if message.get("reasoning"):
+            yield chunk(index, delta={"reasoning": message["reasoning"]}, logprobs=None)
         if message["content"]:
             yield chunk(index, delta={"content": message["content"]}, logprobs=choice["logprobs"])
         for k, call in enumerate(message.get("tool_calls") or ()):

@@ -38,6 +38,7 @@ from skyrl.train.inference.openai_format import (
     reply,
     response_body,
 )
+from skyrl.train.inference.reasoning import Reasoning
 from skyrl.train.inference.tools import (
     ToolCalls,
     ToolRequestError,
@@ -119,6 +120,7 @@ class OpenAIServer:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model_name = self.cfg.served_model_name or str(model_path)
         self.tool_calls = ToolCalls(self.tokenizer, self.cfg.tool_parser)
+        self.reasoning = Reasoning(self.tokenizer, self.cfg.reasoning_parser)
         self.app = self._build_app()
         self._server: Any = None
         self._task: asyncio.Task | None = None
@@ -331,7 +333,7 @@ class OpenAIServer:
                     *(self.client.generate(prompt_ids, params, session_id) for _ in range(n))
                 )
             )
-            answers = [self._answer(out, params, use) for out in outputs]
+            answers = [self._answer(out, params, use, chat=messages is not None) for out in outputs]
             if prepared is not None:
                 recorder.record(session_id, prompt_ids, messages, outputs, answers)
             return prompt_ids, outputs, answers
@@ -350,17 +352,24 @@ class OpenAIServer:
         cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=len(text))
         return text[:cut]
 
-    def _answer(self, out: GenerationOutput, params: SamplingParams, use: ToolUse | None) -> dict[str, Any]:
-        """The assistant message `out` answers, in the chat template's form (tool-call arguments as
-        objects, no content key when it is only calls); a call's opening written after the prompt is
-        part of the answer."""
+    def _answer(
+        self, out: GenerationOutput, params: SamplingParams, use: ToolUse | None, chat: bool = True
+    ) -> dict[str, Any]:
+        """The assistant message `out` answers, in the chat template's form (for a chat request with a
+        reasoning parser its thinking as `reasoning_content`; tool-call arguments as objects, no content
+        key when it is only calls); a call's opening written after the prompt is part of the answer,
+        which then has no thinking."""
+        think = chat and not (use and use.opening)
         text = self._text(out, params)
+        reasoning, text = self.reasoning.split(text) if think else (None, text)
+        thought = {"reasoning_content": reasoning} if reasoning is not None else {}
         if use is None:
-            return {"role": "assistant", "content": text}
-        parsed = self.tool_calls.parse(
-            use.opening + self._text(out, params, False), use.opening + text, use.tools, use.parallel
-        )
+            return {"role": "assistant", "content": text} | thought
+        raw = self._text(out, params, False)
+        if think:
+            raw = self.reasoning.split(raw)[1]  # calls are parsed from what the parser leaves as content
+        parsed = self.tool_calls.parse(use.opening + raw, use.opening + text, use.tools, use.parallel)
         if not parsed.tool_calls:
-            return {"role": "assistant", "content": parsed.content}
+            return {"role": "assistant", "content": parsed.content} | thought
         answer = {"role": "assistant", "tool_calls": parsed.tool_calls}
-        return answer | ({"content": parsed.content} if parsed.content is not None else {})
+        return answer | ({"content": parsed.content} if parsed.content is not None else {}) | thought

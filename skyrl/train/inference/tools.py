@@ -1,9 +1,10 @@
 """OpenAI function calling on the endpoint: `tools` and `tool_choice` in, `tool_calls` out.
 
 A request's messages reach the chat template as it expects them (`template_messages`): text content
-parts joined, an assistant message's `tool_calls[].function.arguments` (a JSON string in OpenAI's
-format) as an object, and each tool message answering a call made earlier in the conversation. The
-tools reach it as `apply_chat_template(messages, tools=...)`.
+parts joined, an assistant message's `reasoning` as `reasoning_content` (`inference.reasoning`) and its
+`tool_calls[].function.arguments` (a JSON string in OpenAI's format) as an object, and each tool
+message answering a call made earlier in the conversation. The tools reach it as
+`apply_chat_template(messages, tools=...)`.
 
 What the model generated is parsed with vLLM's tool parsers (`ToolCalls`), chosen by
 `generator.http_endpoint.tool_parser`: a parser's name (`hermes` for Qwen2.5), `auto` (`hermes` when
@@ -54,6 +55,9 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for i, message in enumerate(messages):
         message = dict(message)
+        reasoning = message.pop("reasoning", None)  # as answered; templates read `reasoning_content`
+        if reasoning is not None:
+            message.setdefault("reasoning_content", reasoning)
         content = message.get("content")
         if isinstance(content, list):
             kinds = {part.get("type") for part in content}

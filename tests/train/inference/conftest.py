@@ -37,6 +37,29 @@ def serving(model_path, cfg) -> Iterator:
         client.shutdown()
 
 
+def memorise(path, conversations) -> None:
+    """Train the model at `path` until greedy decoding gives each (prompt ids, response ids) response."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(500):
+        loss, learnt = 0.0, True
+        for prompt, response in conversations:
+            ids = torch.tensor([prompt + response])
+            logits = model(ids).logits[0, len(prompt) - 1 : -1]
+            target = ids[0, len(prompt) :]
+            loss = loss + torch.nn.functional.cross_entropy(logits, target)
+            learnt &= bool((logits.argmax(-1) == target).all())
+        if learnt:
+            break
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert learnt, "the tiny model did not memorise the conversation"
+    model.save_pretrained(path)
+
+
 def start_client(backend: str, model_path, **overrides) -> InferenceEngineClient:
     cfg = InferenceEngineConfig(
         backend=backend, device="cpu", kv_cache_memory_bytes=TEST_KV_CACHE_BYTES, **overrides

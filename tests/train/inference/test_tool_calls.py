@@ -9,8 +9,7 @@ import json
 import httpx
 import openai
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from skyrl.envs.base import BaseTextEnv, BaseTextEnvStepOutput
 from skyrl.train.dataset.preprocess import Trajectory, prefix_consistent
@@ -25,7 +24,7 @@ from skyrl.train.utils.errors import ConfigError
 from skyrl.train.utils.tiny_model import create_tiny_model
 from skyrl.train.utils.tiny_tools_model import QWEN25_TEMPLATE, TOOL_TAGS
 
-from .conftest import serving
+from .conftest import memorise, serving
 
 MODEL = "qwen-tools"
 WEATHER = {
@@ -51,27 +50,6 @@ CALLED = {
 ANSWERED = {"role": "tool", "tool_call_id": "call_1", "content": "18C"}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 REPLY = "It is 18C."
-
-
-def memorise(path, conversations) -> None:
-    """Train the model at `path` until greedy decoding gives each (prompt ids, response ids) response."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for _ in range(500):
-        loss, learnt = 0.0, True
-        for prompt, response in conversations:
-            ids = torch.tensor([prompt + response])
-            logits = model(ids).logits[0, len(prompt) - 1 : -1]
-            target = ids[0, len(prompt) :]
-            loss = loss + torch.nn.functional.cross_entropy(logits, target)
-            learnt &= bool((logits.argmax(-1) == target).all())
-        if learnt:
-            break
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    assert learnt, "the tiny model did not memorise the conversation"
-    model.save_pretrained(path)
 
 
 @pytest.fixture(scope="module")
