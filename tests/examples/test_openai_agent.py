@@ -9,7 +9,7 @@ from skyrl.train.sampler import load_datasets
 from skyrl.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
-KV = "generator.inference_engine.kv_cache_memory_bytes=67108864"
+HF = "generator.inference_engine.backend=hf"  # the subject is the agent path; vLLM is the engine tests'
 
 
 def test_the_openai_agent_example_trains_by_its_recipe(ray_cluster, tiny_model_path, tmp_path):
@@ -17,7 +17,7 @@ def test_the_openai_agent_example_trains_by_its_recipe(ray_cluster, tiny_model_p
     its recorded requests, continued token for token, without a failed episode. That it learns follows
     from its trajectories equalling the env path's (tests/train/generator/test_agent.py) and the env
     path's learning test; a learning run of its own cost 270-460 s of the suite."""
-    overrides = ["trainer.total_steps=3", "trainer.logger=[jsonl]", KV]
+    overrides = ["trainer.total_steps=3", "trainer.logger=[jsonl]", HF]
     cfg = compose_config(overrides, ROOT / "configs", "openai_agent")
     assert cfg.generator.agent == "examples.openai_agent.agent:play"
     trainer = Trainer(

@@ -49,46 +49,52 @@ def calculator_conversation(row: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def render(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool = False) -> list[int]:
+def render(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
+    generation_prompt: bool = False,
+) -> list[int]:
     return tokenizer.apply_chat_template(
-        messages,
-        tools=[CALCULATOR_TOOL],
-        add_generation_prompt=generation_prompt,
-        tokenize=True,
-        return_dict=False,
+        messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False
     )
 
 
-def supervised_example(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+def supervised_example(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+) -> tuple[list[int], list[int]]:
     """The conversation's ids and a mask of its assistant turns' ids (each up to and with `<|im_end|>`)."""
-    ids = render(tokenizer, messages)
+    ids = render(tokenizer, messages, tools)
     mask = [0] * len(ids)
     for i, message in enumerate(messages):
         if message["role"] == "assistant":
-            start = len(render(tokenizer, messages[:i], generation_prompt=True))
-            end = len(render(tokenizer, messages[: i + 1])) - 1  # the newline after <|im_end|> is not theirs
+            start = len(render(tokenizer, messages[:i], tools, generation_prompt=True))
+            end = len(render(tokenizer, messages[: i + 1], tools)) - 1  # not the newline after <|im_end|>
             mask[start:end] = [1] * (end - start)
     return ids, mask
 
 
-def warm_start(path: Path, seed: int = 0) -> None:
-    """`WARM_START_STEPS` Adam steps on calculator conversations for the model at `path`, saved in place."""
+def warm_start(
+    path: Path,
+    examples: list[tuple[list[int], list[int]]],
+    steps: int = WARM_START_STEPS,
+    lr: float = WARM_START_LR,
+    seed: int = 0,
+) -> None:
+    """`steps` Adam steps of `WARM_START_BATCH` random `examples` (ids, loss mask) for the model at
+    `path`, saved in place."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    pad = AutoTokenizer.from_pretrained(path).pad_token_id
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    examples = [
-        supervised_example(tokenizer, calculator_conversation(row))
-        for row in make_dataset(WARM_START_STEPS * WARM_START_BATCH // 4, seed + 1, function_calling=True)
-    ]
-    optimizer = torch.optim.Adam(model.parameters(), lr=WARM_START_LR)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    for _ in range(WARM_START_STEPS):
+    for _ in range(steps):
         batch = rng.sample(examples, WARM_START_BATCH)
         width = max(len(ids) for ids, _ in batch)
-        ids = torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids, _ in batch])
+        ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in batch])
         mask = torch.tensor([m + [0] * (width - len(m)) for _, m in batch])
         attention = torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i, _ in batch])
         logits = model(ids, attention_mask=attention).logits[:, :-1]
@@ -117,7 +123,14 @@ def create_tiny_tools_model(path: str | os.PathLike, seed: int = 0) -> Path:
         corpus=[*CORPUS, *rendered],
         seed=seed,
     )
-    warm_start(Path(path), seed)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    examples = [
+        supervised_example(tokenizer, calculator_conversation(row), [CALCULATOR_TOOL])
+        for row in make_dataset(WARM_START_STEPS * WARM_START_BATCH // 4, seed + 1, function_calling=True)
+    ]
+    warm_start(Path(path), examples, seed=seed)
     return Path(path)
 
 
