@@ -249,6 +249,7 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "generator.http_endpoint.served_model_name": ("generator.http_endpoint.served_model_name=agent",),
     "generator.http_endpoint.default_max_tokens": ("generator.http_endpoint.default_max_tokens=64",),
     "generator.http_endpoint.tool_parser": ("generator.http_endpoint.tool_parser=none",),
+    "generator.http_endpoint.reasoning_parser": ("generator.http_endpoint.reasoning_parser=qwen3",),
     "generator.env_workers": ("generator.env_workers=2",),
     "generator.env_executor": ("generator.env_executor=process",),
     "generator.max_env_failure_fraction": ("generator.max_env_failure_fraction=0.25",),

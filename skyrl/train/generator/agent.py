@@ -33,6 +33,7 @@ import itertools
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -147,7 +148,7 @@ class AgentSessions:
         params: SamplingParams,
         n: int,
         tools: list[dict[str, Any]] | None = None,
-        opening: list[int] = (),
+        opening: Sequence[int] = (),
     ) -> tuple[list[int], SamplingParams] | None:
         session = self._session(session_id)
         if session is None:

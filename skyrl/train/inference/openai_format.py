@@ -112,8 +112,9 @@ def completion_choice(
 
 
 def chat_choice(tokenizer: Any, index: int, out: GenerationOutput, answer: dict[str, Any]) -> dict[str, Any]:
-    """A chat completion's choice: the answer as OpenAI's message (tool-call arguments as JSON strings,
-    `finish_reason` "tool_calls" when it ended in calls) with its token ids and logprobs."""
+    """A chat completion's choice: the answer as OpenAI's message (its thinking as `reasoning` with a
+    reasoning parser, tool-call arguments as JSON strings, `finish_reason` "tool_calls" when it ended in
+    calls) with its token ids and logprobs."""
     logprobs = None
     if out.logprobs is not None:
         tokens = tokenizer.convert_ids_to_tokens(out.response_ids)

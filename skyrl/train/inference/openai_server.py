@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -83,7 +84,7 @@ class SessionRecorder(Protocol):
         params: SamplingParams,
         n: int,
         tools: list[dict[str, Any]] | None = None,
-        opening: list[int] = (),
+        opening: Sequence[int] = (),
     ) -> tuple[list[int], SamplingParams] | None: ...
 
     def record(

@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 PARSER_KEY = "generator.http_endpoint.tool_parser"
 
 # The opening of a call in a parser's format, for tool_choice "required" ({name} None) and for a named
-# function; each ends before a pre-token boundary (a newline, or a space before JSON punctuation).
+# function; each ends at a pre-token boundary (a newline, or a space before JSON punctuation).
 CALL_OPENINGS: dict[str, tuple[str, str]] = {
     "hermes": ("<tool_call>\n", '<tool_call>\n{{"name": {name}, "arguments":'),
 }
@@ -211,8 +211,8 @@ class ToolCalls:
 
     def parse(self, text: str, content: str, tools: list[dict[str, Any]], parallel: bool) -> Parsed:
         """The calls in `text` (the answer decoded with special tokens kept); `content` (decoded without
-        them) when it holds none (also when a call's arguments are not JSON: a parse failure). With
-        `parallel` False only the first call is answered."""
+        them) when it holds none (also when a call's arguments are not a JSON object: a parse failure).
+        With `parallel` False only the first call is answered."""
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
         request = ChatCompletionRequest(
@@ -226,18 +226,14 @@ class ToolCalls:
                 self.parse_failures += 1
             return Parsed(content)
         try:
-            calls = [
-                {
-                    "id": call.id,
-                    "type": "function",
-                    "function": {
-                        "name": call.function.name,
-                        "arguments": json.loads(call.function.arguments or "{}"),
-                    },
-                }
-                for call in info.tool_calls
-            ]
+            arguments = [json.loads(call.function.arguments or "{}") for call in info.tool_calls]
         except json.JSONDecodeError:
+            arguments = [None]
+        if not all(isinstance(a, dict) for a in arguments):  # arguments must be a JSON object
             self.parse_failures += 1
             return Parsed(content)
+        calls = [
+            {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": a}}
+            for call, a in zip(info.tool_calls, arguments, strict=True)
+        ]
         return Parsed(info.content or None, calls if parallel else calls[:1])

@@ -179,8 +179,11 @@ def test_a_call_that_does_not_parse_is_plain_content_and_counted(server, tokeniz
     assert choice["finish_reason"] == "stop" and "tool_calls" not in choice["message"]
     assert '{"name": get_weather' in choice["message"]["content"]
     assert server.tool_calls.parse_failures == failures + 1
+    text = '<tool_call>\n{"name": "get_weather", "arguments": "Paris"}\n</tool_call><|im_end|>'
+    assert "tool_calls" not in answer(server, tokenizer, text)["message"]  # arguments not an object
+    assert server.tool_calls.parse_failures == failures + 2
     assert answer(server, tokenizer, "Sunny.<|im_end|>")["message"]["content"] == "Sunny."
-    assert server.tool_calls.parse_failures == failures + 1  # text without a call is no failure
+    assert server.tool_calls.parse_failures == failures + 2  # text without a call is no failure
 
 
 @pytest.mark.parametrize(
