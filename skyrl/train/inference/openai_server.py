@@ -262,7 +262,9 @@ class OpenAIServer:
             if tools is None or choice == "none":
                 return messages, None
             self.tool_calls.check(tools)
-            return messages, ToolUse(tools, body.parallel_tool_calls, self.tool_calls.opening(choice))
+            # a named function is answered with that one call, as OpenAI does
+            parallel = body.parallel_tool_calls and not isinstance(choice, dict)
+            return messages, ToolUse(tools, parallel, self.tool_calls.opening(choice))
         except ToolRequestError as exc:
             raise APIError(400, str(exc)) from exc
 

@@ -17,7 +17,7 @@ from skyrl.train.dataset.prompt_dataset import PromptRow
 from skyrl.train.generator.agent import AgentGenerator, AgentResult, AgentSessions, ClientInfo
 from skyrl.train.generator.rollout import RolloutManager
 from skyrl.train.inference.engine import GenerationOutput, SamplingParams
-from skyrl.train.inference.openai_format import ToolDefinition, chat_choice
+from skyrl.train.inference.openai_format import ChatCompletionRequest, ToolDefinition, chat_choice
 from skyrl.train.inference.tools import ToolCalls, ToolRequestError, ToolUse, template_messages
 from skyrl.train.schema import EnvironmentConfig, GeneratorConfig, OpenAIServerConfig, SamplingConfig
 from skyrl.train.utils.errors import ConfigError
@@ -258,6 +258,13 @@ def test_a_constrained_tool_choice_opens_the_call_and_the_model_completes_it_tok
     assert body["prompt_token_ids"][len(prompt) :] + choice_["token_ids"] == tokenizer.encode(
         CALL + "<|im_end|>"
     )
+
+
+def test_a_named_function_is_answered_with_one_call(server):
+    body = {"model": MODEL, "messages": [ASKED], "tools": [WEATHER]}
+    for choice, parallel in ((None, True), ("required", True), (NAMED, False)):
+        _, use = server._chat_request(ChatCompletionRequest.model_validate({**body, "tool_choice": choice}))
+        assert use.parallel == parallel
 
 
 def test_a_parser_without_a_known_opening_refuses_a_constrained_tool_choice(tokenizer):
