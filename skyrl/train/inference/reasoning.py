@@ -47,13 +47,14 @@ class Reasoning:
             self._parser = ReasoningParserManager.get_reasoning_parser(name)(tokenizer)
         except Exception as exc:  # e.g. a tokenizer without the parser's think tokens
             raise ConfigError(f"{REASONING_KEY}={name!r} cannot parse this model's output: {exc}") from exc
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        # the parsers take the request for its settings; none of ours varies by request
+        self._request = ChatCompletionRequest(model="skyrl", messages=[{"role": "user", "content": ""}])
 
     def split(self, text: str) -> tuple[str | None, str]:
         """`text`'s reasoning (None without a parser, or when it has none) and its content."""
         if self._parser is None:
             return None, text
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-
-        request = ChatCompletionRequest(model="skyrl", messages=[{"role": "user", "content": ""}])
-        reasoning, content = self._parser.extract_reasoning(text, request)
+        reasoning, content = self._parser.extract_reasoning(text, self._request)
         return reasoning or None, content or ""

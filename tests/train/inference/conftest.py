@@ -60,6 +60,16 @@ def memorise(path, conversations) -> None:
     model.save_pretrained(path)
 
 
+def answered(server, tokenizer, text: str, use) -> dict:
+    """The chat choice `server` answers for an engine output whose tokens are `text`, with `use`
+    (a `ToolUse` or None)."""
+    from skyrl.train.inference.engine import GenerationOutput, SamplingParams
+    from skyrl.train.inference.openai_format import chat_choice
+
+    out = GenerationOutput(tokenizer.encode(text), None, "stop", 0)
+    return chat_choice(tokenizer, 0, out, server._answer(out, SamplingParams(max_tokens=64), use))
+
+
 def start_client(backend: str, model_path, **overrides) -> InferenceEngineClient:
     cfg = InferenceEngineConfig(
         backend=backend, device="cpu", kv_cache_memory_bytes=TEST_KV_CACHE_BYTES, **overrides

@@ -8,8 +8,7 @@ from transformers import AutoTokenizer
 
 from skyrl.train.dataset.preprocess import Trajectory, prefix_consistent
 from skyrl.train.generator.agent import AgentSessions
-from skyrl.train.inference.engine import GenerationOutput, SamplingParams
-from skyrl.train.inference.openai_format import chat_choice
+from skyrl.train.inference.engine import SamplingParams
 from skyrl.train.inference.reasoning import Reasoning
 from skyrl.train.inference.tools import ToolUse
 from skyrl.train.schema import OpenAIServerConfig
@@ -17,7 +16,7 @@ from skyrl.train.utils.errors import ConfigError
 from skyrl.train.utils.tiny_model import create_tiny_model
 from skyrl.train.utils.tiny_tools_model import TOOL_TAGS
 
-from .conftest import memorise, serving
+from .conftest import answered, memorise, serving
 
 MODEL = "thinker"
 # A Qwen3-like template, short: an assistant turn's `reasoning_content` inside <think> tags before its content
@@ -106,13 +105,7 @@ def test_an_answer_sent_back_with_its_reasoning_continues_the_session_token_for_
 
 
 def answer(server, tokenizer, text: str, opening: str = "") -> dict:
-    out = GenerationOutput(tokenizer.encode(text), None, "stop", 0)
-    return chat_choice(
-        tokenizer,
-        0,
-        out,
-        server._answer(out, SamplingParams(max_tokens=64), ToolUse([WEATHER], True, opening)),
-    )
+    return answered(server, tokenizer, text, ToolUse([WEATHER], True, opening))
 
 
 def test_calls_are_parsed_from_the_content_the_parser_leaves(server, tokenizer):

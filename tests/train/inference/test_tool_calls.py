@@ -17,14 +17,14 @@ from skyrl.train.dataset.prompt_dataset import PromptRow
 from skyrl.train.generator.agent import AgentGenerator, AgentResult, AgentSessions, ClientInfo
 from skyrl.train.generator.rollout import RolloutManager
 from skyrl.train.inference.engine import GenerationOutput, SamplingParams
-from skyrl.train.inference.openai_format import ChatCompletionRequest, ToolDefinition, chat_choice
+from skyrl.train.inference.openai_format import ChatCompletionRequest, ToolDefinition
 from skyrl.train.inference.tools import ToolCalls, ToolRequestError, ToolUse, template_messages
 from skyrl.train.schema import EnvironmentConfig, GeneratorConfig, OpenAIServerConfig, SamplingConfig
 from skyrl.train.utils.errors import ConfigError
 from skyrl.train.utils.tiny_model import create_tiny_model
 from skyrl.train.utils.tiny_tools_model import QWEN25_TEMPLATE, TOOL_TAGS
 
-from .conftest import memorise, serving
+from .conftest import answered, memorise, serving
 
 MODEL = "qwen-tools"
 WEATHER = {
@@ -149,11 +149,7 @@ def test_without_tools_or_with_tool_choice_none_the_prompt_has_no_tools_section(
 
 
 def answer(server, tokenizer, text, parallel=True):
-    """What the endpoint answers for an engine output whose tokens are `text`."""
-    out = GenerationOutput(tokenizer.encode(text), None, "stop", 0)
-    return chat_choice(
-        tokenizer, 0, out, server._answer(out, SamplingParams(max_tokens=64), ToolUse([WEATHER], parallel))
-    )
+    return answered(server, tokenizer, text, ToolUse([WEATHER], parallel))
 
 
 def test_a_generated_call_is_answered_as_tool_calls(server, tokenizer):
