@@ -172,6 +172,7 @@ class AgentSessions:
             stop=params.stop,
             stop_token_ids=params.stop_token_ids,
             seed=params.seed,
+            grammar=params.grammar,
         )
 
     def _chat_prompt(

@@ -10,7 +10,8 @@ after top-k / top-p truncation (tokens outside the kept set renormalised away),
 and `log_softmax(logits)` for greedy (temperature 0). With top_k / top_p off this
 is exactly what the trainer computes with the same temperature. vLLM is run with
 `logprobs_mode="processed_logprobs"` to return this; its default (`raw_logprobs`)
-ignores the temperature.
+ignores the temperature. `allowed_token_ids` and a `grammar` mask the logits
+before the temperature, so the logprobs are renormalised over the tokens allowed.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ class SamplingParams:
     logprobs: bool = True
     seed: int | None = None
     allowed_token_ids: tuple[int, ...] = ()  # non-empty: sample only these tokens (logprobs renormalised)
+    # An xgrammar EBNF grammar the response's text must match; once it is complete only a stop token
+    # (eos or `stop_token_ids`) may follow. An invalid grammar is a ValueError when the request arrives.
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and stored as tuples so params stay hashable.

@@ -4,13 +4,15 @@ Requests that arrive together are batched (left-padded); requests with equal
 sampling settings share a `generate` call, each keeping its own `max_tokens`,
 stop tokens and stop strings. The temperature / top-k / top-p warpers run inside
 our own logits processor so the processed scores, the distribution that is
-sampled, are what the logprobs are taken from. One thread owns the model, so a
-weight update waits for the running batch.
+sampled, are what the logprobs are taken from; a request's `grammar` masks each
+row's logits with its own xgrammar matcher before them. One thread owns the model,
+so a weight update waits for the running batch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -210,6 +212,8 @@ class HFEngine(InferenceEngine):
         prompt = validate_prompt(
             prompt_token_ids, self._vocab_size, self._max_model_len, sampling_params.allowed_token_ids
         )
+        if sampling_params.grammar is not None:
+            self._compiled(sampling_params.grammar)
         request = _Request(
             prompt, sampling_params, asyncio.get_running_loop().create_future(), self._weight_version
         )
@@ -272,6 +276,9 @@ class HFEngine(InferenceEngine):
         max_tokens = [r.params.max_tokens for r in group]
         greedy = params.temperature == 0
         warpers = _warpers(params)
+        if params.grammar is not None:
+            stop_ids = sorted(self._eos_ids | set(params.stop_token_ids))
+            warpers.insert(0, _GrammarMask(self._compiled(params.grammar), len(group), stop_ids))
         processor = _Processor(warpers, keep=params.logprobs) if warpers or params.logprobs else None
         tracker = _RowTracker(
             prompt_lens,
@@ -315,6 +322,25 @@ class HFEngine(InferenceEngine):
             row_logprobs = logprobs[row][:n] if logprobs is not None else None
             outputs.append(GenerationOutput(responses[row][:n], row_logprobs, reason, request.weight_version))
         return outputs
+
+    @functools.cached_property
+    def _grammar_compiler(self):
+        try:
+            import xgrammar as xgr
+        except ImportError as exc:
+            raise ValueError(
+                "a grammar-constrained request needs xgrammar, which is not installed (it comes with vLLM: "
+                "install the `cpu` or `vllm` extra)"
+            ) from exc
+        info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size)
+        return xgr.GrammarCompiler(info)
+
+    def _compiled(self, grammar: str):
+        """`grammar` compiled for this tokenizer (cached by the compiler); ValueError when it is invalid."""
+        try:
+            return self._grammar_compiler.compile_grammar(grammar)
+        except RuntimeError as exc:
+            raise ValueError(f"invalid grammar: {exc}") from exc
 
     async def _on_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
@@ -439,3 +465,34 @@ class _AllowedTokens:
             self.outside = torch.ones(scores.shape[-1], dtype=torch.bool, device=scores.device)
             self.outside[self.allowed] = False
         return scores.masked_fill(self.outside, float("-inf"))
+
+
+class _GrammarMask:
+    """Logits processor: each row samples only the tokens its grammar allows next (one xgrammar matcher a
+    row, advanced by the row's previous token; `stop_ids` may end it once complete), before temperature
+    and truncation. A row whose grammar
+    is complete, or that has ended otherwise (a stop string, `max_tokens`), is left unmasked: `generate`
+    still samples for finished rows, and an all -inf row cannot be sampled."""
+
+    def __init__(self, compiled, rows: int, stop_ids: list[int]):
+        import xgrammar as xgr
+
+        self.matchers = [xgr.GrammarMatcher(compiled, override_stop_tokens=stop_ids) for _ in range(rows)]
+        self.bitmask = xgr.allocate_token_bitmask(rows, compiled.tokenizer_info.vocab_size)
+        self.done = [False] * rows
+        self.first = True  # at the first step the last input token is the prompt's
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        import xgrammar as xgr
+
+        previous = input_ids[:, -1].tolist()
+        for row, matcher in enumerate(self.matchers):
+            if not self.done[row] and not self.first:
+                self.done[row] = not matcher.accept_token(previous[row]) or matcher.is_terminated()
+            if self.done[row]:
+                self.bitmask[row] = -1  # every bit set: all tokens allowed
+            else:
+                matcher.fill_next_token_bitmask(self.bitmask, row)
+        self.first = False
+        xgr.apply_token_bitmask_inplace(scores, self.bitmask.to(scores.device), vocab_size=scores.shape[-1])
+        return scores

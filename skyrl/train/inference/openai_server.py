@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -264,7 +265,7 @@ class OpenAIServer:
             self.tool_calls.check(tools)
             # a named function is answered with that one call, as OpenAI does
             parallel = body.parallel_tool_calls and not isinstance(choice, dict)
-            return messages, ToolUse(tools, parallel, self.tool_calls.opening(choice))
+            return messages, self.tool_calls.use(tools, choice, parallel)
         except ToolRequestError as exc:
             raise APIError(400, str(exc)) from exc
 
@@ -312,7 +313,7 @@ class OpenAIServer:
         use: ToolUse | None = None,
     ) -> tuple[list[int], list[GenerationOutput], list[dict[str, Any]]]:
         """The prompt ids generated from (`messages` rendered with `use.tools` and followed by the call's
-        opening when None), the `n` outputs and their answers (assistant messages, tool calls parsed when
+        opening when None; the rest of the call under `use.grammar`), the `n` outputs and their answers (assistant messages, tool calls parsed when
         tools were offered); the recorder sees the requests of its sessions before and after."""
         await self._open.wait()
         self._generating += 1
@@ -320,6 +321,8 @@ class OpenAIServer:
         try:
             tools = use.tools if use else None
             opening = self.tokenizer.encode(use.opening, add_special_tokens=False) if use else []
+            if use and use.grammar:
+                params = replace(params, grammar=use.grammar)
             recorder = self.recorder if session_id is not None else None
             prepared = (
                 recorder.prepare(session_id, prompt_ids, messages, params, n, tools, opening)

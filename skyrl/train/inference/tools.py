@@ -14,11 +14,15 @@ The parser reads the text decoded with special tokens kept; output that does not
 answered as plain content and counted (`ToolCalls.parse_failures`).
 
 `tool_choice="required"` or a named function is served by writing the opening of a call in the parser's
-format after the prompt (`CALL_OPENINGS`): the model writes the rest. The opening is part of the prompt
-(context in a training session, never trained on), so nothing is masked and the recorded logprobs are
-those of the distribution sampled from. Openings end where byte-level BPE starts a new pre-token, so
-opening + generated tokens are the template's tokens of the whole call. Parsers without a known opening
-answer such a request with a 400.
+format after the prompt (`CALL_FORMATS`): the model writes the rest under a grammar (`SamplingParams.
+grammar`, xgrammar in both engines) that admits only calls to the offered functions with arguments
+matching their JSON schemas, written as the chat template writes them (`", "` and `": "` separators),
+so the answer parses as calls unless `max_tokens` cuts it. The opening is part of the prompt (context
+in a training session, never trained on); the rest is sampled from the model's distribution masked to
+what the grammar allows, and the recorded logprobs are those of that masked distribution (the trainer's
+are unmasked: the difference is an off-policy gap like any other sampler's). Openings end where
+byte-level BPE starts a new pre-token, so opening + generated tokens are the template's tokens of the
+whole call. Parsers without a known call format answer such a request with a 400.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import functools
 import importlib.util
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,11 +41,18 @@ logger = logging.getLogger(__name__)
 
 PARSER_KEY = "generator.http_endpoint.tool_parser"
 
-# The opening of a call in a parser's format, for tool_choice "required" ({name} None) and for a named
-# function; each ends at a pre-token boundary (a newline, or a space before JSON punctuation).
-CALL_OPENINGS: dict[str, tuple[str, str]] = {
-    "hermes": ("<tool_call>\n", '<tool_call>\n{{"name": {name}, "arguments":'),
-}
+
+@dataclass(frozen=True)
+class CallFormat:
+    """How a parser's format writes calls: `start`, `{"name": ..., "arguments": {...}}`, `end`, with
+    `between` before each call after the first (as the chat template renders an assistant's calls)."""
+
+    start: str
+    end: str
+    between: str
+
+
+CALL_FORMATS: dict[str, CallFormat] = {"hermes": CallFormat("<tool_call>\n", "\n</tool_call>", "\n")}
 
 
 class ToolRequestError(ValueError):
@@ -118,11 +130,13 @@ def check_tool_choice(tools: list[dict[str, Any]] | None, tool_choice: str | dic
 @dataclass(frozen=True)
 class ToolUse:
     """How a chat request uses tools: the `tools` offered to the model, whether `parallel` calls are
-    answered, and the `opening` of a call written after the prompt (`ToolCalls.opening`)."""
+    answered, and for a constrained `tool_choice` the `opening` of a call written after the prompt and
+    the `grammar` of the rest (`ToolCalls.use`)."""
 
     tools: list[dict[str, Any]]
     parallel: bool = True
     opening: str = ""
+    grammar: str | None = None
 
 
 @dataclass
@@ -191,23 +205,42 @@ class ToolCalls:
                 f"in the chat template); set {PARSER_KEY}, e.g. hermes for Qwen2.5"
             )
 
-    def opening(self, tool_choice: str | dict[str, Any] | None) -> str:
-        """The text written after the prompt so the answer is a call: "" for `auto`/`none`, the opening of
-        any call for `required`, of a call to the named function for `{"type": "function", ...}`;
-        `ToolRequestError` for a parser whose call format has no known opening."""
+    def use(
+        self, tools: list[dict[str, Any]], tool_choice: str | dict[str, Any] | None, parallel: bool
+    ) -> ToolUse:
+        """How a request offering `tools` uses them: for `required` a call's opening and the grammar of
+        calls to any of them (more calls after it when `parallel`), for a named function the opening up
+        to its arguments and their grammar; `ToolRequestError` for a parser without a known call format
+        or a parameters schema the grammar cannot take."""
         if tool_choice in (None, "auto", "none"):
-            return ""
-        if self.name not in CALL_OPENINGS:
+            return ToolUse(tools, parallel)
+        fmt = CALL_FORMATS.get(self.name or "")
+        if fmt is None:
             raise ToolRequestError(
-                f"tool_choice={tool_choice!r} is served by writing the opening of a call in the tool parser's "
-                f"format, and {PARSER_KEY}={self.name!r} has none (known: {sorted(CALL_OPENINGS)}); "
+                f"tool_choice={tool_choice!r} is served by constraining the answer to a call in the tool "
+                f"parser's format, and {PARSER_KEY}={self.name!r} has none (known: {sorted(CALL_FORMATS)}); "
                 "send tool_choice='auto'"
             )
-        required, named = CALL_OPENINGS[self.name]
-        if tool_choice == "required":
-            return required
-        assert isinstance(tool_choice, dict)
-        return named.format(name=json.dumps(tool_choice["function"]["name"], ensure_ascii=False))
+        end = json.dumps(fmt.end)
+        if isinstance(tool_choice, dict):
+            name = tool_choice["function"]["name"]
+            tool = next(t for t in tools if t["function"]["name"] == name)  # check_tool_choice: it is there
+            opening = f'{fmt.start}{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments":'
+            rules = _schema_rules(_parameters(tool), "arguments", name)
+            return ToolUse(tools, False, opening, f'root ::= " " arguments "}}" {end}\n{rules}')
+        calls = {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": t["function"]["name"]}, "arguments": _parameters(t)},
+                    "required": ["name", "arguments"],
+                }
+                for t in tools
+            ]
+        }
+        rules = _schema_rules(calls, "call", "the tools")
+        more = f" ({json.dumps(fmt.between + fmt.start)} call {end})*" if parallel else ""
+        return ToolUse(tools, parallel, fmt.start, f"root ::= call {end}{more}\n{rules}")
 
     def parse(self, text: str, content: str, tools: list[dict[str, Any]], parallel: bool) -> Parsed:
         """The calls in `text` (the answer decoded with special tokens kept); `content` (decoded without
@@ -237,3 +270,22 @@ class ToolCalls:
             for call, a in zip(info.tool_calls, arguments, strict=True)
         ]
         return Parsed(info.content or None, calls if parallel else calls[:1])
+
+
+def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    return tool["function"].get("parameters") or {"type": "object"}
+
+
+def _schema_rules(schema: dict[str, Any], rule: str, what: str) -> str:
+    """EBNF rules where `rule` is a JSON value matching `schema`, written as chat templates' `tojson`
+    writes it; `ToolRequestError` naming `what` when xgrammar cannot take the schema."""
+    import xgrammar as xgr
+
+    try:
+        grammar = xgr.Grammar.from_json_schema(
+            json.dumps(schema), any_whitespace=False, separators=(", ", ": ")
+        )
+    except (RuntimeError, ValueError) as exc:
+        reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(exc)).strip()  # xgrammar's C++ source prefix
+        raise ToolRequestError(f"the parameters schema of {what} cannot constrain a call: {reason}") from exc
+    return re.sub(r"^root ::=", f"{rule} ::=", str(grammar), flags=re.M)

@@ -116,7 +116,7 @@ class VLLMEngine(InferenceEngine):
 
     def _sampling_params(self, sp: SamplingParams):
         from vllm import SamplingParams as VllmSamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         return VllmSamplingParams(
             temperature=sp.temperature,
@@ -128,6 +128,7 @@ class VLLMEngine(InferenceEngine):
             logprobs=0 if sp.logprobs else None,
             seed=sp.seed,
             allowed_token_ids=list(sp.allowed_token_ids) or None,
+            structured_outputs=StructuredOutputsParams(grammar=sp.grammar) if sp.grammar else None,
             detokenize=bool(sp.stop),  # text is only needed to match stop strings
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
@@ -206,6 +207,7 @@ class VLLMEngine(InferenceEngine):
 
     def _step(self, to_add: list[tuple[str, list[int], Any, Any]], to_abort: list[str]):
         """Runs on the engine thread: abort, add, then one engine step; returns finished outputs and add errors."""
+        from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
 
         if to_abort:
@@ -219,8 +221,8 @@ class VLLMEngine(InferenceEngine):
                 self._engine.add_request(
                     request_id, TokensPrompt(prompt_token_ids=prompt), params, lora_request=lora
                 )
-            except ValueError as exc:  # a request vLLM refuses fails alone
-                errors[request_id] = exc
+            except (ValueError, VLLMClientError) as exc:  # a request vLLM refuses fails alone
+                errors[request_id] = exc if isinstance(exc, ValueError) else ValueError(str(exc))
         outputs = self._engine.step() if self._engine.has_unfinished_requests() else []
         return [o for o in outputs if o.finished], errors
 

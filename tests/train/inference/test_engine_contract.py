@@ -285,3 +285,44 @@ def test_allowed_token_ids_restrict_sampling_and_renormalise_logprobs(client, re
         mask[:, allowed] = 0
         expected = (logits + mask).log_softmax(-1).gather(-1, torch.tensor(out.response_ids)[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=0)
+
+
+GRAMMAR = 'root ::= ("yes" | "no") ", " ("red" | "blue" | "green")'
+
+
+@torch.no_grad()
+def test_a_grammar_constrains_the_text_and_renormalises_logprobs_over_what_it_allows(
+    client, reference_model, tokenizer
+):
+    """Each step samples from the model's distribution masked to the tokens the grammar allows next (a
+    stop token once it is complete), and the logprobs are of that masked distribution: replayed here
+    with xgrammar's own matcher over an HF forward."""
+    import xgrammar as xgr
+
+    outs = generate_all(client, PROMPTS, SamplingParams(temperature=0.8, max_tokens=16, grammar=GRAMMAR))
+    vocab_size = reference_model.config.vocab_size
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+    compiled = xgr.GrammarCompiler(info).compile_grammar(GRAMMAR)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.stop_reason == "stop" and out.response_ids[-1] == tokenizer.eos_token_id
+        assert re.fullmatch(r"(yes|no), (red|blue|green)", tokenizer.decode(out.response_ids[:-1]))
+        matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=[tokenizer.eos_token_id])
+        bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        masks = torch.zeros(len(out.response_ids), vocab_size)
+        for step, token in enumerate(out.response_ids):
+            matcher.fill_next_token_bitmask(bitmask)
+            xgr.apply_token_bitmask_inplace(masks[step : step + 1], bitmask)
+            assert matcher.accept_token(token)
+        assert matcher.is_terminated()
+        ids = torch.tensor([prompt + out.response_ids])
+        logits = reference_model(ids).logits[0, len(prompt) - 1 : -1].float()
+        expected = (
+            ((logits + masks) / 0.8).log_softmax(-1).gather(-1, torch.tensor(out.response_ids)[:, None])
+        )
+        torch.testing.assert_close(torch.tensor(out.logprobs), expected[:, 0], atol=1e-4, rtol=0)
+
+
+def test_an_invalid_grammar_is_refused_and_the_engine_keeps_serving(client):
+    with pytest.raises(ValueError, match="grammar"):
+        generate(client, PROMPTS[0], SamplingParams(max_tokens=4, grammar="root ::= (unclosed"))
+    assert generate(client, PROMPTS[0], SamplingParams(temperature=0, max_tokens=2)).stop_reason == "length"

@@ -210,6 +210,14 @@ def test_a_call_that_does_not_parse_is_plain_content_and_counted(server, tokeniz
             "messages[1].tool_calls[0].function.arguments is not JSON",
         ),
         ([{"role": "user", "content": [{"type": "image_url"}]}], {}, "only text parts"),
+        (
+            [ASKED],
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "table"}}}],
+                "tool_choice": "required",
+            },
+            'cannot constrain a call: Unsupported type "table"',
+        ),
     ],
     ids=[
         "unknown-named-function",
@@ -219,6 +227,7 @@ def test_a_call_that_does_not_parse_is_plain_content_and_counted(server, tokeniz
         "tool-without-name",
         "arguments-not-json",
         "image-part",
+        "schema-without-grammar",
     ],
 )
 def test_inconsistent_tool_requests_are_a_400_naming_what_is_wrong(http, messages, fields, text):
@@ -263,11 +272,104 @@ def test_a_named_function_is_answered_with_one_call(server):
         assert use.parallel == parallel
 
 
-def test_a_parser_without_a_known_opening_refuses_a_constrained_tool_choice(tokenizer):
+def test_a_parser_without_a_known_call_format_refuses_a_constrained_tool_choice(tokenizer):
     calls = ToolCalls(tokenizer, "llama3_json")
-    assert calls.opening("auto") == ""
+    assert calls.use([WEATHER], "auto", True) == ToolUse([WEATHER], True)
     with pytest.raises(ToolRequestError, match=r"tool_parser='llama3_json' has none \(known: \['hermes'\]\)"):
-        calls.opening("required")
+        calls.use([WEATHER], "required", True)
+
+
+TIME = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+def matcher(tokenizer, use):
+    import xgrammar as xgr
+
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer))
+    return xgr.GrammarMatcher(compiler.compile_grammar(use.grammar))
+
+
+def template_call(tokenizer, tools, calls, use):
+    """The template's tokens of an assistant message making `calls`, after the opening `use` writes."""
+    message = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": arguments}}
+            for i, (name, arguments) in enumerate(calls)
+        ],
+    }
+    prompt = tokenizer.apply_chat_template(
+        [ASKED], tools=tools, add_generation_prompt=True, return_dict=False
+    )
+    full = tokenizer.apply_chat_template([ASKED, message], tools=tools, return_dict=False)
+    opening = tokenizer.encode(use.opening)
+    assert full[len(prompt) : len(prompt) + len(opening)] == opening
+    return full[len(prompt) + len(opening) :]
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "one-call"])
+def test_the_required_grammar_admits_the_templates_calls_and_nothing_else(tokenizer, parallel):
+    """The grammar of `required` admits, token for token, what the template renders for calls to the
+    offered tools, up to the end-of-turn token; more calls only with `parallel`; no unknown function or
+    argument."""
+    tools = [WEATHER, TIME]
+    use = ToolCalls(tokenizer, "hermes").use(tools, "required", parallel)
+    tokens = template_call(tokenizer, tools, [("get_weather", {"city": "Paris"}), ("get_time", {})], use)
+    end = tokens.index(tokenizer.convert_tokens_to_ids("</tool_call>")) + 1  # the first call's end
+    m = matcher(tokenizer, use)
+    assert all(m.accept_token(t) for t in tokens[:end])
+    assert not m.is_terminated()
+    if parallel:
+        assert all(m.accept_token(t) for t in tokens[end:-1]) and m.is_terminated()  # -1: after <|im_end|>
+    else:
+        assert not m.accept_token(tokens[end])  # "\n" opening a second call
+        assert m.accept_token(tokenizer.convert_tokens_to_ids("<|im_end|>")) and m.is_terminated()
+    for wrong in (
+        '{"name": "get_date", "arguments": {}}',
+        '{"name": "get_weather", "arguments": {"town": "X"}}',
+    ):
+        assert not matcher(tokenizer, use).accept_string(wrong)
+
+
+def test_the_named_grammar_admits_that_functions_arguments(tokenizer):
+    use = ToolCalls(tokenizer, "hermes").use([WEATHER, TIME], NAMED, True)
+    assert use.opening == '<tool_call>\n{"name": "get_weather", "arguments":' and not use.parallel
+    tokens = template_call(tokenizer, [WEATHER, TIME], [("get_weather", {"city": "Rome"})], use)
+    m = matcher(tokenizer, use)
+    assert all(m.accept_token(t) for t in tokens[:-1]) and m.is_terminated()
+    assert not matcher(tokenizer, use).accept_string(' {"city": 3}')
+
+
+def test_a_constrained_tool_choice_is_a_call_where_the_model_would_answer_text(http):
+    """Given the tool's result the model answers text (memorised); constrained, it makes a call, with
+    arguments its schema allows."""
+    messages = [ASKED, CALLED, ANSWERED]
+    assert (
+        chat(http, messages, tools=[WEATHER], max_tokens=16, temperature=0).json()["choices"][0]["message"][
+            "content"
+        ]
+        == REPLY
+    )
+    for choice in ("required", NAMED):
+        response = chat(
+            http,
+            messages,
+            tools=[WEATHER],
+            tool_choice=choice,
+            parallel_tool_calls=False,
+            max_tokens=128,
+            temperature=0,
+        )
+        assert response.status_code == 200, response.text
+        (answer_,) = response.json()["choices"]
+        assert answer_["finish_reason"] == "tool_calls", answer_
+        (call,) = answer_["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather"
+        assert list(json.loads(call["function"]["arguments"])) == ["city"]
 
 
 def test_text_content_parts_are_joined(http, tokenizer):
