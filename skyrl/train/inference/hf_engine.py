@@ -470,9 +470,9 @@ class _AllowedTokens:
 class _GrammarMask:
     """Logits processor: each row samples only the tokens its grammar allows next (one xgrammar matcher a
     row, advanced by the row's previous token; `stop_ids` may end it once complete), before temperature
-    and truncation. A row whose grammar
-    is complete, or that has ended otherwise (a stop string, `max_tokens`), is left unmasked: `generate`
-    still samples for finished rows, and an all -inf row cannot be sampled."""
+    and truncation. A row whose grammar is complete, or that has ended otherwise (a stop string,
+    `max_tokens`), is left unmasked: `generate` still samples for finished rows, and an all -inf row
+    cannot be sampled."""
 
     def __init__(self, compiled, rows: int, stop_ids: list[int]):
         import xgrammar as xgr

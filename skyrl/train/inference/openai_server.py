@@ -313,8 +313,9 @@ class OpenAIServer:
         use: ToolUse | None = None,
     ) -> tuple[list[int], list[GenerationOutput], list[dict[str, Any]]]:
         """The prompt ids generated from (`messages` rendered with `use.tools` and followed by the call's
-        opening when None; the rest of the call under `use.grammar`), the `n` outputs and their answers (assistant messages, tool calls parsed when
-        tools were offered); the recorder sees the requests of its sessions before and after."""
+        opening when None; the rest of the call under `use.grammar`), the `n` outputs and their answers
+        (assistant messages, tool calls parsed when tools were offered); the recorder sees the requests of
+        its sessions before and after."""
         await self._open.wait()
         self._generating += 1
         self._idle.clear()
