@@ -8,11 +8,7 @@ history, asks the model for a guess with the official `openai` client, answers "
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import re
-
-from openai import AsyncOpenAI
 
 from skyrl.train.generator.agent import AgentResult, ClientInfo
 
@@ -20,16 +16,10 @@ MAX_TURNS = 4
 NUMBER = re.compile(r"-?\d+")
 
 
-@functools.lru_cache(maxsize=8)
-def _client(base_url: str, api_key: str, loop: asyncio.AbstractEventLoop) -> AsyncOpenAI:
-    """One client per endpoint and event loop: creating one takes ~20 ms, and it is bound to its loop."""
-    return AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
-
-
 async def play(row, client_info: ClientInfo) -> AgentResult:
     """`row.prompt` is the chat prompt ("Guess the hidden number between 1 and 8..."), `row.extras`
     the dataset row's other columns (here the hidden `target`)."""
-    client = _client(client_info.base_url, client_info.api_key, asyncio.get_running_loop())
+    client = client_info.openai_client()  # one per event loop, shared by the episodes
     messages = list(row.prompt)
     target = int(row.extras["target"])
     for turn in range(1, MAX_TURNS + 1):

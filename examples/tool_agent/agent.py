@@ -12,8 +12,6 @@ the calculator but did not answer right (a small model learns to call before it 
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import json
 import re
 
@@ -28,7 +26,6 @@ from agents import (
     set_tracing_disabled,
 )
 from agents.tool_context import ToolContext
-from openai import AsyncOpenAI
 
 from skyrl.envs.calculator import CALCULATOR_TOOL, evaluate
 from skyrl.envs.math_env import answers_match
@@ -39,12 +36,6 @@ CALL_BONUS = 0.1
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 set_tracing_disabled(True)  # the SDK would otherwise send traces to OpenAI
-
-
-@functools.lru_cache(maxsize=8)
-def _client(base_url: str, api_key: str, loop: asyncio.AbstractEventLoop) -> AsyncOpenAI:
-    """One client per endpoint and event loop (a client is bound to its loop)."""
-    return AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
 
 
 def calculator_tool(calls: list[str]) -> FunctionTool:
@@ -76,10 +67,7 @@ async def solve(row, client_info: ClientInfo) -> AgentResult:
         name="calculator",
         instructions=system["content"],
         tools=[calculator_tool(calls)],
-        model=OpenAIChatCompletionsModel(
-            client_info.model,
-            _client(client_info.base_url, client_info.api_key, asyncio.get_running_loop()),
-        ),
+        model=OpenAIChatCompletionsModel(client_info.model, client_info.openai_client()),
         # X-Session-Id: the run records this episode's requests
         model_settings=ModelSettings(extra_headers=client_info.headers),
     )

@@ -13,12 +13,9 @@ beat that of the first 2 by 0.22-0.41 (from 0.48-0.66). The assertions: the last
 than 75% of the episodes (turns > 1.75) and beat the first 2's reward by 0.15.
 """
 
-import asyncio
-import functools
 import random
 import re
 
-import openai
 import pytest
 from transformers import AutoTokenizer
 
@@ -130,14 +127,9 @@ class SecretEnv(BaseTextEnv):
         return BaseTextEnvStepOutput([], float(answer is not None and answer.group(1) == secret), True)
 
 
-@functools.lru_cache(maxsize=4)
-def _client(base_url: str, api_key: str, loop: asyncio.AbstractEventLoop) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
-
-
 async def secret_agent(row, info: ClientInfo) -> AgentResult:
     """The agent path: the same task with the `openai` client's function calling."""
-    client = _client(info.base_url, info.api_key, asyncio.get_running_loop())
+    client = info.openai_client()
     messages, secret = list(row.prompt), str(row.extras["secret"])
     for _ in range(2):
         response = await client.chat.completions.create(

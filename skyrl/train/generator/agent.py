@@ -75,6 +75,19 @@ class ClientInfo:
     def headers(self) -> dict[str, str]:
         return {"X-Session-Id": self.session_id}
 
+    def openai_client(self, timeout: float = 120.0) -> Any:
+        """An `openai.AsyncOpenAI` for this endpoint, shared by the episodes on the running event loop (a
+        client is bound to its loop, and making one takes ~20 ms); no retries, so a failed request fails
+        the episode. Send `headers` with each request (`extra_headers`): the client is not the session's."""
+        return _openai_client(self.base_url, self.api_key, timeout, asyncio.get_running_loop())
+
+
+@functools.lru_cache(maxsize=8)
+def _openai_client(base_url: str, api_key: str, timeout: float, loop: asyncio.AbstractEventLoop) -> Any:
+    import openai
+
+    return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout)
+
 
 @dataclass
 class AgentResult:

@@ -2,6 +2,7 @@
 env-based rollout manager on the same conversations."""
 
 import asyncio
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from skyrl.envs import guess_number
 from skyrl.train.dataset.preprocess import prefix_consistent, trajectories_to_sequences
 from skyrl.train.dataset.prompt_dataset import parse_rows
-from skyrl.train.generator.agent import AgentGenerator, turn_rewards
+from skyrl.train.generator.agent import AgentGenerator, ClientInfo, turn_rewards
 from skyrl.train.generator.base import generate_checked
 from skyrl.train.generator.rollout import RolloutManager
 from skyrl.train.inference import InferenceEngineClient, InferenceEngineConfig
@@ -232,6 +233,17 @@ def test_a_bare_reward_goes_to_the_last_request_and_bad_results_are_named():
     assert turn_rewards(2, 3) == [0.0, 0.0, 2.0] and turn_rewards(1.0, 0) == []
     with pytest.raises(ValueError, match=r"returned 'won'; return an AgentResult\(reward=...\) or a number"):
         turn_rewards("won", 1)
+
+
+def test_the_openai_client_is_shared_on_a_loop_and_not_across_loops():
+    info = ClientInfo("http://127.0.0.1:1/v1", "secret", "tiny", "s0")
+
+    async def clients():
+        return info.openai_client(), replace(info, session_id="s1").openai_client()
+
+    first, second = asyncio.run(clients())
+    assert first is second and first.base_url == "http://127.0.0.1:1/v1/" and first.max_retries == 0
+    assert asyncio.run(clients())[0] is not first, "a client is bound to the loop it was made on"
 
 
 def test_a_missing_agent_is_a_config_error(served, tokenizer):
