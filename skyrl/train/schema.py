@@ -312,6 +312,7 @@ class OpenAIServerConfig:
     hermes when the chat template writes `<tool_call>` tags, else none (such requests get a 400).
     reasoning_parser: vLLM's reasoning parser (e.g. qwen3, deepseek_r1): answers carry the thinking as
     `message.reasoning`, apart from `content`; none: the text as generated (`inference.reasoning`).
+    Both parsers serve env episodes too: an env's `step` gets the content and the calls parsed from it.
     """
 
     enabled: bool = False

@@ -40,6 +40,7 @@ from skyrl.train.dataset.preprocess import Trajectory, Turn, prefix_consistent
 from skyrl.train.dataset.prompt_dataset import PromptRow
 from skyrl.train.generator.env_processes import EnvFailure, EnvProcessPool, RemoteEnv
 from skyrl.train.inference.engine import SamplingParams
+from skyrl.train.inference.reasoning import Reasoning
 from skyrl.train.inference.tools import PARSER_KEY, ToolCalls
 from skyrl.train.schema import EnvironmentConfig, GeneratorConfig, SamplingConfig
 from skyrl.train.utils.daemon_pool import DaemonThreadPool
@@ -174,7 +175,9 @@ class RolloutManager:
         self.client, self.tokenizer, self.cfg, self.env = client, tokenizer, cfg, env
         self.template = ChatTemplateDelta(tokenizer)
         self.allowed_token_ids = allowed_token_ids(tokenizer, env)
-        self.tool_calls = ToolCalls(tokenizer, cfg.http_endpoint.tool_parser)  # for envs that declare tools
+        # an env sees what an agent would: the content the reasoning parser leaves, the calls parsed from it
+        self.tool_calls = ToolCalls(tokenizer, cfg.http_endpoint.tool_parser)
+        self.reasoning = Reasoning(tokenizer, cfg.http_endpoint.reasoning_parser)
         self._processes: EnvProcessPool | None = None  # started by the first batch that needs it
 
     def close(self) -> None:
@@ -371,12 +374,12 @@ class RolloutManager:
         response: list[int],
         tools: list[dict[str, Any]] | None,
     ) -> Any:
-        """The env's step on `response`'s text (and, for an env with tools, its calls as the endpoint
-        parses them, arguments as objects)."""
-        text = self.tokenizer.decode(response, skip_special_tokens=True)
+        """The env's step on `response`'s text, without the thinking a reasoning parser splits off (and,
+        for an env with tools, its calls as the endpoint parses them, arguments as objects)."""
+        text = self.reasoning.split(self.tokenizer.decode(response, skip_special_tokens=True))[1]
         if not tools:
             return await self._env_call(pool, env, "step", text)
-        raw = self.tokenizer.decode(response, skip_special_tokens=False)
+        raw = self.reasoning.split(self.tokenizer.decode(response, skip_special_tokens=False))[1]
         calls: list[ToolCall] = self.tool_calls.parse(raw, text, tools, parallel=True).tool_calls
         return await self._env_call(pool, env, "step", text, calls)
 

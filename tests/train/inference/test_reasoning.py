@@ -6,12 +6,15 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from skyrl.envs.base import BaseTextEnv, BaseTextEnvStepOutput
 from skyrl.train.dataset.preprocess import Trajectory, prefix_consistent
+from skyrl.train.dataset.prompt_dataset import PromptRow
 from skyrl.train.generator.agent import AgentSessions
+from skyrl.train.generator.rollout import RolloutManager
 from skyrl.train.inference.engine import SamplingParams
 from skyrl.train.inference.reasoning import Reasoning
 from skyrl.train.inference.tools import ToolUse
-from skyrl.train.schema import OpenAIServerConfig
+from skyrl.train.schema import EnvironmentConfig, GeneratorConfig, OpenAIServerConfig, SamplingConfig
 from skyrl.train.utils.errors import ConfigError
 from skyrl.train.utils.tiny_model import create_tiny_model
 from skyrl.train.utils.tiny_tools_model import TOOL_TAGS
@@ -52,11 +55,18 @@ def tokenizer(model_path):
     return AutoTokenizer.from_pretrained(model_path)
 
 
+ENDPOINT = OpenAIServerConfig(port=0, served_model_name=MODEL, tool_parser="hermes", reasoning_parser="qwen3")
+
+
 @pytest.fixture(scope="module")
-def server(ray_cluster, model_path):
-    cfg = OpenAIServerConfig(port=0, served_model_name=MODEL, tool_parser="hermes", reasoning_parser="qwen3")
-    with serving(model_path, cfg) as (_, server):
-        yield server
+def served(ray_cluster, model_path):
+    with serving(model_path, ENDPOINT) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served[1]
 
 
 @pytest.fixture
@@ -123,3 +133,20 @@ def test_calls_are_parsed_from_the_content_the_parser_leaves(server, tokenizer):
         server.reasoning = qwen3
     assert thought["finish_reason"] == "stop" and "tool_calls" not in thought["message"]
     assert call in thought["message"]["reasoning"] and thought["message"]["content"] == "\n\nNo."
+
+
+class ReplyEnv(BaseTextEnv):
+    """One turn: reward 1 when the action is the reply alone."""
+
+    def step(self, action, tool_calls=None):
+        return BaseTextEnvStepOutput([], float(action.strip() == REPLY), True)
+
+
+def test_an_env_steps_on_the_content_the_parser_leaves_and_the_thinking_is_trained(served, tokenizer):
+    loop, server = served
+    cfg = GeneratorConfig(n_samples_per_prompt=1, max_turns=1, max_generate_length=32, http_endpoint=ENDPOINT)
+    manager = RolloutManager(server.client, tokenizer, cfg, EnvironmentConfig(f"{__name__}:ReplyEnv"))
+    out = loop.run(manager.agenerate([PromptRow(0, [ASKED])], None, SamplingConfig(temperature=0.0)))
+    (episode,) = out.episodes
+    assert episode.reward == 1.0, "the env got the reply without the thinking"
+    assert tokenizer.decode(episode.trajectory.turns[0].response_ids) == ANSWER + "<|im_end|>"
