@@ -207,14 +207,25 @@ def stream_chunks(response: dict[str, Any], include_usage: bool = False) -> Iter
         yield head | {"choices": [], "usage": response["usage"]}
 
 
-async def events(chunks: Iterator[dict[str, Any]]) -> AsyncIterator[str]:
-    """Server-sent events of `chunks`, then `[DONE]`; an error once the stream has started ends it with an
+async def events(chunks: Iterator[dict[str, Any]], named: bool = False) -> AsyncIterator[str]:
+    """Server-sent events of `chunks`, then `[DONE]`; `named`: each event named by its chunk's `type` and
+    no `[DONE]`, as the Responses API streams. An error once the stream has started ends it with an
     `error` event (the status line is already sent)."""
     try:
         for chunk in chunks:
-            yield f"data: {json.dumps(chunk)}\n\n"
+            yield (
+                f"event: {chunk['type']}\ndata: {json.dumps(chunk)}\n\n"
+                if named
+                else f"data: {json.dumps(chunk)}\n\n"
+            )
     except Exception as exc:
-        error = {"message": f"{type(exc).__name__}: {exc}", "type": "server_error", "code": None}
-        yield f"event: error\ndata: {json.dumps({'error': error})}\n\n"
+        message = f"{type(exc).__name__}: {exc}"
+        error = (
+            {"type": "error", "message": message, "code": "server_error"}
+            if named
+            else {"error": {"message": message, "type": "server_error", "code": None}}
+        )
+        yield f"event: error\ndata: {json.dumps(error)}\n\n"
         return
-    yield "data: [DONE]\n\n"
+    if not named:
+        yield "data: [DONE]\n\n"

@@ -1,6 +1,7 @@
 """An OpenAI-compatible HTTP endpoint over an `InferenceEngineClient`.
 
-Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`; with
+Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/responses`
+(OpenAI's Responses API on the chat path, `inference.responses`); with
 `stream=true` the answer comes as OpenAI's server-sent events, built from the finished generation
 (`openai_format.stream_chunks`: what is recorded is the same either way). Chat prompts are built with
 the tokenizer's chat template, with the request's `tools`; answers carry parsed `tool_calls` (OpenAI
@@ -25,9 +26,10 @@ from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
+from skyrl.train.inference import responses
 from skyrl.train.inference.client import EngineDeadError, InferenceEngineClient
 from skyrl.train.inference.config import validate_server_config
 from skyrl.train.inference.engine import GenerationOutput, SamplingParams
@@ -37,10 +39,12 @@ from skyrl.train.inference.openai_format import (
     SamplingRequest,
     chat_choice,
     completion_choice,
+    events,
     reply,
     response_body,
 )
 from skyrl.train.inference.reasoning import Reasoning
+from skyrl.train.inference.responses import ResponsesRequest
 from skyrl.train.inference.tools import (
     ToolCalls,
     ToolRequestError,
@@ -222,6 +226,10 @@ class OpenAIServer:
         async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
             return await self._chat(body, request.headers.get("x-session-id"))
 
+        @app.post("/v1/responses")
+        async def create_response(body: ResponsesRequest, request: Request) -> Any:
+            return await self._respond(body, request.headers.get("x-session-id"))
+
         return app
 
     async def _complete(self, body: CompletionRequest, session_id: str | None) -> Any:
@@ -237,16 +245,35 @@ class OpenAIServer:
 
     async def _chat(self, body: ChatCompletionRequest, session_id: str | None) -> Any:
         self._check_model(body.model)
-        messages, use = self._chat_request(body)
-        params = self._sampling_params(
-            body, body.max_completion_tokens or body.max_tokens, logprobs=body.logprobs
-        )
-        prompt_ids, outputs, answers = await self._generate(None, messages, params, body.n, session_id, use)
+        prompt_ids, outputs, answers = await self._chat_generate(body, session_id)
         choices = [
             chat_choice(self.tokenizer, i, out, answer)
             for i, (out, answer) in enumerate(zip(outputs, answers, strict=True))
         ]
         return reply(body, response_body("chat.completion", self.model_name, prompt_ids, outputs, choices))
+
+    async def _respond(self, body: ResponsesRequest, session_id: str | None) -> Any:
+        self._check_model(body.model)
+        try:
+            chat = responses.chat_request(body)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+        prompt_ids, (out,), (answer,) = await self._chat_generate(chat, session_id)
+        response = responses.response_body(body, self.model_name, prompt_ids, out, answer)
+        if not body.stream:
+            return response
+        return StreamingResponse(
+            events(responses.stream_events(response), named=True), media_type="text/event-stream"
+        )
+
+    async def _chat_generate(
+        self, body: ChatCompletionRequest, session_id: str | None
+    ) -> tuple[list[int], list[GenerationOutput], list[dict[str, Any]]]:
+        messages, use = self._chat_request(body)
+        params = self._sampling_params(
+            body, body.max_completion_tokens or body.max_tokens, logprobs=body.logprobs
+        )
+        return await self._generate(None, messages, params, body.n, session_id, use)
 
     def _chat_request(self, body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], ToolUse | None]:
         """The request's messages in the chat template's form and how it uses tools (None without tools

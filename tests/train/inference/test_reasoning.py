@@ -114,6 +114,29 @@ def test_an_answer_sent_back_with_its_reasoning_continues_the_session_token_for_
     assert prefix_consistent(Trajectory("umbrella", "umbrella/0", turns))
 
 
+def test_the_responses_api_answers_the_thinking_as_a_reasoning_item_and_continues_on_it(
+    server, tokenizer, client
+):
+    sessions = AgentSessions(tokenizer, max_input_length=1024)
+    server.recorder = sessions
+    try:
+        session = sessions.open("umbrella/1", SamplingParams(temperature=0.0, max_tokens=32))
+        fields = {"model": MODEL, "extra_headers": {"X-Session-Id": session}}
+        response = client.responses.create(input=[ASKED], **fields)
+        thought, said = response.output
+        assert (thought.type, thought.content[0].text.strip()) == ("reasoning", THOUGHT)
+        assert (said.type, response.output_text.strip()) == ("message", REPLY)
+        items = [ASKED, *(i.model_dump(exclude_unset=True) for i in response.output)]
+        again = client.responses.create(input=[*items, {"role": "user", "content": "Thanks."}], **fields)
+        turns = sessions.close(session)
+    finally:
+        server.recorder = None
+    assert f"<|im_start|>assistant\n{ANSWER}<|im_end|>" in tokenizer.decode(
+        again.model_extra["prompt_token_ids"]
+    )
+    assert prefix_consistent(Trajectory("umbrella", "umbrella/1", turns))
+
+
 def answer(server, tokenizer, text: str, opening: str = "") -> dict:
     return answered(server, tokenizer, text, ToolUse([WEATHER], True, opening))
 

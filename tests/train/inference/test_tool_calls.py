@@ -516,10 +516,31 @@ async def weather_agent(row, info: ClientInfo) -> AgentResult:
     return AgentResult(reward=0.0)
 
 
-def test_a_tool_env_and_a_tool_agent_play_the_same_game_token_for_token(served, tokenizer):
+async def weather_responses_agent(row, info: ClientInfo) -> AgentResult:
+    """The same game through the Responses API: the response's output items go back with the results."""
+    client = info.openai_client()
+    items = list(row.prompt)
+    for _ in range(3):
+        response = await client.responses.create(
+            model=info.model, input=items, tools=[RESPONSES_WEATHER], extra_headers=info.headers
+        )
+        items += [item.model_dump(exclude_unset=True) for item in response.output]
+        calls = [item for item in response.output if item.type == "function_call"]
+        if not calls:
+            return AgentResult(reward=float("18C" in response.output_text))
+        items += [{"type": "function_call_output", "call_id": c.call_id, "output": "18C"} for c in calls]
+    return AgentResult(reward=0.0)
+
+
+RESPONSES_WEATHER = {"type": "function", **WEATHER["function"]}
+
+
+@pytest.mark.parametrize("agent", ["weather_agent", "weather_responses_agent"], ids=["chat", "responses"])
+def test_a_tool_env_and_a_tool_agent_play_the_same_game_token_for_token(served, tokenizer, agent):
     """The env path (tools declared by the env, calls parsed for it) and the agent path (the openai
-    client's function calling through the endpoint) give the same trajectories: the generated call,
-    the tool result rendered by the template, the answer; both continued token for token."""
+    client's function calling through the endpoint, on chat completions or the Responses API) give the
+    same trajectories: the generated call, the tool result rendered by the template, the answer; both
+    continued token for token."""
     loop, server = served
     here = __name__
     env = EnvironmentConfig(f"{here}:WeatherEnv")
@@ -531,9 +552,7 @@ def test_a_tool_env_and_a_tool_agent_play_the_same_game_token_for_token(served, 
             rows, None, greedy
         )
     )
-    agents = AgentGenerator(
-        server, tokenizer, GeneratorConfig(**settings, agent=f"{here}:weather_agent"), env
-    )
+    agents = AgentGenerator(server, tokenizer, GeneratorConfig(**settings, agent=f"{here}:{agent}"), env)
     try:
         theirs = loop.run(agents.agenerate(rows, None, greedy))
     finally:
@@ -550,3 +569,70 @@ def test_a_tool_env_and_a_tool_agent_play_the_same_game_token_for_token(served, 
         first, second = a.trajectory.turns
         assert tokenizer.decode(first.response_ids) == CALL + "<|im_end|>"
         assert second.context_ids == render(tokenizer, [ASKED, CALLED, ANSWERED])
+
+
+def test_a_streamed_response_is_the_same_response_in_named_events(openai_client):
+    fields = {"model": MODEL, "tools": [RESPONSES_WEATHER], "temperature": 0, "max_output_tokens": 64}
+    whole = openai_client.responses.create(input=[ASKED], **fields)
+    events = list(openai_client.responses.create(input=[ASKED], stream=True, **fields))
+    assert [e.type for e in events[:2]] == ["response.created", "response.output_item.added"]
+    assert events[-1].type == "response.completed" and whole.status == "completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    (call,) = whole.output
+    assert (call.type, call.name, json.loads(call.arguments)) == (
+        "function_call",
+        "get_weather",
+        {"city": "Paris"},
+    )
+    assert [(i.type, i.name, i.arguments) for i in events[-1].response.output] == [
+        (call.type, call.name, call.arguments)
+    ]
+    arguments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert arguments == [call.arguments]
+    items = [
+        ASKED,
+        call.model_dump(exclude_unset=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": "18C"},
+    ]
+    answer = openai_client.responses.create(input=items, **fields)
+    events = list(openai_client.responses.create(input=items, stream=True, **fields))
+    assert answer.output_text == REPLY and answer.output[0].type == "message"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == REPLY
+    assert events[-1].response.output_text == REPLY
+
+
+@pytest.mark.parametrize(
+    ("fields", "text"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id: responses are not stored here"),
+        (
+            {"input": [{"type": "image_generation_call", "id": "ig_1"}]},
+            "input[0] has type 'image_generation_call'; this endpoint serves",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content",
+        ),
+        ({"tool_choice": {"type": "function", "name": "get_time"}}, "not among the tools"),
+        (
+            {"input": [{"type": "function_call_output", "call_id": "call_9", "output": "18C"}]},
+            "tool_call_id='call_9'",
+        ),
+    ],
+    ids=["previous-response", "unknown-item", "image-part", "unknown-function", "unmatched-call-id"],
+)
+def test_responses_requests_we_cannot_serve_are_a_400_naming_why(http, fields, text):
+    body = {"model": MODEL, "input": [ASKED], "tools": [RESPONSES_WEATHER], **fields}
+    response = http.post("/v1/responses", json=body)
+    assert response.status_code == 400, response.text
+    assert text in response.json()["error"]["message"]
+
+
+def test_a_response_cut_by_max_output_tokens_is_incomplete(http):
+    body = {"model": MODEL, "input": "Weather in Paris?", "max_output_tokens": 2}
+    response = http.post("/v1/responses", json=body).json()
+    assert (response["status"], response["incomplete_details"]) == (
+        "incomplete",
+        {"reason": "max_output_tokens"},
+    )
+    assert response["usage"]["output_tokens"] == len(response["token_ids"]) == 2
