@@ -177,11 +177,14 @@ def batch_sizes(cfg: SkyRLConfig) -> BatchSizes:
 def validate_config(cfg: SkyRLConfig) -> None:
     """Raise `ConfigError` for the first rule `cfg` breaks; every message names key, value and a fix.
     Each section's own rules first, then the rules across sections."""
+    from skyrl.train.rewards import validate_rewards
+
     _check_models(cfg.trainer)
     _check_trainer(cfg.trainer)
     _check_algorithm(cfg.trainer.algorithm)
     _check_generator(cfg.generator)
     _check_data_and_environment(cfg)
+    validate_rewards(cfg.reward)
     _check_lora(cfg)
     _check_across_sections(cfg)
 

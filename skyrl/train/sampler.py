@@ -18,8 +18,9 @@ import numpy as np
 from skyrl.train.dataset.prompt_dataset import PromptDataset, PromptLoader
 from skyrl.train.engines import Engines
 from skyrl.train.generator.base import generate_checked
-from skyrl.train.generator.rollout import Episode, rollout_metrics
+from skyrl.train.generator.rollout import Episode, check_failures, rollout_metrics
 from skyrl.train.generator.stream import RolloutStream, episode_staleness
+from skyrl.train.rewards import Rewards, reward_metrics
 from skyrl.train.schema import SkyRLConfig
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class Sampler:
         eval_set: PromptDataset | None,
         rollout: Any,
         engines: Engines,
+        rewards: Rewards,
     ):
         self.cfg, self.loader, self.eval_set, self.rollout, self.engines = (
             cfg,
@@ -45,15 +47,18 @@ class Sampler:
             rollout,
             engines,
         )
+        self.rewards = rewards
         self.stream: RolloutStream | None = None  # max_staleness >= 1: started by the first step
         self._loader_state = loader.state_dict()  # after the last batch of prompts a step took
         self._tied_steps = 0  # consecutive steps in which every group's rewards tied
 
     def state_dict(self) -> dict[str, Any]:
-        return {"loader": self._loader_state}  # prompts the stream drew ahead are drawn again on resume
+        # prompts the stream drew ahead are drawn again on resume
+        return {"loader": self._loader_state, **self.rewards.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state["loader"])
+        self.rewards.load_state_dict(state)
         self._loader_state = self.loader.state_dict()
         self._tied_steps = 0
 
@@ -100,7 +105,7 @@ class Sampler:
         groups = (kept + set_aside)[:batch_size]
         episodes = [e for g in groups for e in g]
         self._warn(step, groups, drawn)
-        metrics = rollout_metrics(episodes, n, seconds)
+        metrics = rollout_metrics(episodes, n, seconds) | reward_metrics(episodes)
         if started:
             ahead = train_ended - min(started) if train_ended else 0.0
             metrics |= async_metrics(episodes, weight_version, dropped, ahead)
@@ -121,18 +126,28 @@ class Sampler:
         return episodes, excluded, metrics
 
     def _draw(self, prefix: str, weight_version: int) -> tuple[list[Episode], int, list[float]]:
-        """One batch of prompts' episodes (uids `prefix` + `p<i>`), the episodes a stream dropped as too stale,
-        and when the stream began generating them (nothing without a stream)."""
+        """One batch of prompts' episodes (uids `prefix` + `p<i>`), rewarded by the run's sources, the
+        episodes a stream dropped as too stale, and when the stream began generating them (nothing without
+        a stream)."""
         if self.cfg.trainer.async_training.max_staleness == 0:
             prompts = self.loader.next_batch()
             uids = [f"{prefix}p{i}" for i in range(len(prompts))]
             n = self.cfg.generator.n_samples_per_prompt
             out = self.engines.run(generate_checked(self.rollout, prompts, uids, n)).episodes
             self._loader_state = self.loader.state_dict()
-            return out, 0, []
-        taken = self._stream().take(weight_version)
-        self._loader_state = taken.loader_state
-        return taken.episodes, taken.dropped, [taken.started]
+            dropped, started = 0, []
+        else:
+            taken = self._stream().take(weight_version)
+            self._loader_state = taken.loader_state
+            out, dropped, started = taken.episodes, taken.dropped, [taken.started]
+        self._reward(out, train=True)
+        return out, dropped, started
+
+    def _reward(self, episodes: list[Episode], train: bool) -> None:
+        """The run's reward sources applied to `episodes`; `RuntimeError` when too many have failed."""
+        if not self.rewards.env_only:
+            self.engines.run(self.rewards.score(episodes, train))
+            check_failures(episodes, self.cfg.generator.max_env_failure_fraction)
 
     def _warn(self, step: int, groups: list[list[Episode]], drawn: list[Episode]) -> None:
         self._tied_steps = self._tied_steps + 1 if all(rewards_tie(g) for g in groups) else 0
@@ -169,6 +184,7 @@ class Sampler:
         ):
             uids = [f"eval{i}" for i in range(len(prompts))]
             out = self.engines.run(generate_checked(self.rollout, prompts, uids, n, sampling))
+            self._reward(out.episodes, train=False)
             rollout = rollout_metrics(out.episodes, n, 0.0)  # the episodes', whatever the generator reports
             metrics[f"eval/{name}/reward_mean"] = rollout["reward/mean"]
             metrics[f"eval/{name}/pass@{n}"] = rollout[f"reward/pass@{n}"]

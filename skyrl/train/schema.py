@@ -393,6 +393,40 @@ class EnvironmentConfig:
     timeout_s: float = 600.0  # per env call (constructor, init, step, close); past it the episode fails
 
 
+REWARD_TYPES = ("env", "function")
+
+
+@dataclass
+class RewardSourceConfig:
+    """One source of `reward.sources.<name>` (`<name>` names its metrics, `reward/<name>_mean`).
+
+    `type`: one of `REWARD_TYPES`: `env`, the environment's (or agent's) rewards per turn as given;
+    `function`, a scorer over a batch of finished responses: `function` (`pkg.module:fn`, sync or
+    async) or `url` (the batch POSTed as JSON, retried `max_retries` times), each call given `timeout_s`.
+    `weight`: its factor in the sum an episode trains on. A scorer scores the last turn of an episode in
+    its full context, or every turn with `per_turn`; `normalize` standardises its scores by their running
+    mean and std over the run (kept in checkpoints), then `clip` bounds them to [-clip, clip]."""
+
+    type: str = "env"
+    weight: float = 1.0
+    per_turn: bool = False
+    normalize: bool = False
+    clip: float | None = None
+    function: str | None = None
+    url: str | None = None
+    timeout_s: float = 60.0
+    max_retries: int = 2
+
+
+@dataclass
+class RewardConfig:
+    """What an episode trains on: the weighted sum of its `sources` (`skyrl.train.rewards`), by default
+    the environment's rewards alone. Each entry is a `RewardSourceConfig`'s fields by name (a mapping, so
+    the command line can add one: `+reward.sources.judge={type: function, function: pkg.mod:fn}`)."""
+
+    sources: dict[str, Any] = field(default_factory=lambda: {"env": {"type": "env", "weight": 1.0}})
+
+
 @dataclass
 class DataConfig:
     """`train_path` / `eval_path`: parquet or jsonl files (or HF dataset names); null generates
@@ -420,4 +454,5 @@ class SkyRLConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     ray: RayConfig = field(default_factory=RayConfig)

@@ -35,6 +35,7 @@ from skyrl.train.inference import InferenceEngineClient
 from skyrl.train.inference.openai_server import OpenAIServer
 from skyrl.train.ppo_update import PPOUpdate
 from skyrl.train.recovery import Recovery
+from skyrl.train.rewards import Rewards
 from skyrl.train.sampler import Sampler
 from skyrl.train.schema import SkyRLConfig
 from skyrl.train.step_batch import StepBatch
@@ -93,7 +94,8 @@ class Trainer:
         loader = PromptLoader(
             train_set, trainer.train_batch_size, seed=trainer.seed, shuffle=cfg.data.shuffle
         )
-        self.sampler = Sampler(cfg, loader, eval_set, self.rollout, self.engines)
+        rewards = Rewards(cfg.reward, self.tokenizer, generator.env_failure)
+        self.sampler = Sampler(cfg, loader, eval_set, self.rollout, self.engines, rewards)
         self.update = PPOUpdate(cfg, self.cluster.groups)
         run_name = trainer.run_name or self.run_dir.name
         self.tracker = factories.tracker(

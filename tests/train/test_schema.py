@@ -266,6 +266,7 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "environment.env_class": ("environment.env_class=calculator",),
     "environment.config": ("environment.config.guess_number.max_value=6",),
     "environment.timeout_s": ("environment.timeout_s=30",),
+    "reward.sources": ("reward.sources.env.weight=2.0",),
     "ray.address": ("ray.address=10.0.0.1:6379",),
     "ray.num_cpus": ("ray.num_cpus=3",),
     "ray.include_dashboard": ("ray.include_dashboard=true",),
@@ -411,6 +412,7 @@ EFFECTS = {
         f"{type(b.trainer.rollout).__module__}:{type(b.trainer.rollout).__name__}"
     ),
     "data.shuffle": lambda b: b.trainer.sampler.loader.shuffle,
+    "reward.sources": lambda b: {"env": {"type": "env", "weight": b.trainer.sampler.rewards.env_weight}},
 }
 
 # entry-point keys: key -> its effect on start_ray's ray.init call or on load_datasets

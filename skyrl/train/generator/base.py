@@ -80,8 +80,9 @@ async def generate_checked(
     n_samples_per_prompt: int,
     sampling: SamplingConfig | None = None,
 ) -> GeneratorOutput:
-    """`generator.agenerate(...)`; `RuntimeError` naming the generator unless its episodes are
-    `n_samples_per_prompt` per prompt, contiguous in prompt order under the prompt's uid."""
+    """`generator.agenerate(...)`, each episode given its prompt row; `RuntimeError` naming the generator
+    unless its episodes are `n_samples_per_prompt` per prompt, contiguous in prompt order under the
+    prompt's uid."""
     out = await generator.agenerate(prompts, uids, sampling, n_samples_per_prompt)
     got = [e.trajectory.uid for e in out.episodes]
     expected = [uid for uid in uids for _ in range(n_samples_per_prompt)]
@@ -91,4 +92,6 @@ async def generate_checked(
             f"{uids[:4]}... x {n_samples_per_prompt} samples; a generator returns n_samples_per_prompt "
             "episodes per prompt, contiguous and in prompt order, each trajectory under its prompt's uid"
         )
+    for i, episode in enumerate(out.episodes):
+        episode.row = prompts[i // n_samples_per_prompt]
     return out

@@ -68,13 +68,15 @@ def allowed_token_ids(tokenizer: Any, env: EnvironmentConfig) -> tuple[int, ...]
 
 @dataclass
 class Episode:
-    """One finished episode: its trajectory and how it ended."""
+    """One finished episode: its trajectory, how it ended and its reward (the sum of its turns')."""
 
     trajectory: Trajectory
     stop_reason: str  # done | max_turns | length | error | abort
     reward: float
     error: str | None = None
     env_metrics: dict[str, float] = field(default_factory=dict)
+    row: PromptRow | None = None  # the prompt it answered (set by `generate_checked`)
+    scores: dict[str, float] = field(default_factory=dict)  # each reward source's (`skyrl.train.rewards`)
 
     @property
     def num_turns(self) -> int:

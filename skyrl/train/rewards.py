@@ -1,0 +1,341 @@
+"""Rewards beyond the environment: the sources of `reward.sources`, combined into what an episode trains on.
+
+Each source `reward.sources.<name>` has a `type` and a `weight`:
+- `env`: the environment's (or the agent's) rewards, per turn as it gave them (the default source);
+- `function`: a scorer of finished responses. `function: pkg.module:fn` is called with a list of
+  `RewardInput`s and returns one score each (a sync function runs in a thread; an async one on the
+  run's loop); `url` POSTs `{"inputs": [...]}` (the same fields as JSON) and reads `{"rewards": [...]}`,
+  retrying `max_retries` times on connection errors and 5xx answers. Each call gets `timeout_s`.
+
+A scorer scores an episode's last turn in its full context (what the model saw, then its response), or
+with `per_turn` each turn. Its scores may be standardised by their running mean and std over the run
+(`normalize`; the statistics are part of the sampler's checkpointed state, updated by training batches
+only) and then bounded (`clip`). A turn then trains on `w_env * env reward + sum of w * score` over the
+scorers that scored it, and the episode's reward is the sum over its turns, so dynamic sampling, the
+advantages and `reward/mean` all see the combined reward.
+
+A scorer that raises, runs past its timeout or gives a score that is not a finite number fails the
+episodes it was scoring as an environment failure does (`generator.env_failure`), counted as
+`reward/<name>_failures`; `reward/<name>_mean` and `_std` describe the scores it gave (before
+normalising). Episodes that had already failed are not scored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import math
+import re
+import statistics
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from skyrl.train.generator.rollout import Episode, fail_turns
+from skyrl.train.schema import REWARD_TYPES, RewardConfig, RewardSourceConfig
+from skyrl.train.utils.errors import ConfigError
+from skyrl.train.utils.imports import load_entry_point
+
+NAME = re.compile(r"[A-Za-z0-9_]+")
+
+
+@dataclass
+class RewardInput:
+    """One response a scorer scores: the prompt's `uid`, the episode's `trajectory_id`, the scored
+    `turn` (its index in the episode), the dataset row's `prompt` messages and other columns (`extras`,
+    e.g. a reference answer), the `context` the model saw (decoded with the chat template's special
+    tokens), the `response` it generated (decoded without them) and the environment's reward for it
+    (`env_reward`: the episode's total, or the turn's with `per_turn`)."""
+
+    uid: str
+    trajectory_id: str
+    turn: int
+    prompt: list[dict[str, Any]]
+    extras: dict[str, Any]
+    context: str
+    response: str
+    env_reward: float
+
+
+def source_configs(cfg: RewardConfig) -> dict[str, RewardSourceConfig]:
+    """The sources of `reward.sources` as configs; `ConfigError` naming the key for a source that is not a
+    mapping of `RewardSourceConfig` fields, or has a field of the wrong kind."""
+    known = {f.name for f in fields(RewardSourceConfig)}
+    sources = {}
+    for name, source in cfg.sources.items():
+        key = f"reward.sources.{name}"
+        if isinstance(source, RewardSourceConfig):
+            sources[name] = source
+            continue
+        if not isinstance(source, dict):
+            raise ConfigError(
+                f"{key}={source!r} must be a mapping, e.g. {key}={{type: function, function: pkg.mod:fn}}"
+            )
+        unknown = sorted(set(source) - known)
+        if unknown:
+            raise ConfigError(f"{key} has no field {unknown[0]!r}; its fields are {sorted(known)}")
+        try:
+            made = RewardSourceConfig(**source)
+            made.weight, made.timeout_s = float(made.weight), float(made.timeout_s)
+            made.clip = None if made.clip is None else float(made.clip)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{key}: {exc}") from None
+        sources[name] = made
+    return sources
+
+
+def validate_rewards(cfg: RewardConfig) -> None:
+    """`ConfigError` naming the key, the value and a valid alternative for a source that cannot score."""
+    sources = source_configs(cfg)
+    if not sources:
+        raise ConfigError(
+            "reward.sources is empty: nothing would reward the policy; e.g. reward.sources.env.weight=1"
+        )
+    envs = [name for name, s in sources.items() if s.type == "env"]
+    if len(envs) > 1:
+        raise ConfigError(f"reward.sources {envs} are all of type env; the environment's rewards count once")
+    for name, source in sources.items():
+        key = f"reward.sources.{name}"
+        if not NAME.fullmatch(name):
+            raise ConfigError(f"{key}: a source's name names its metrics, so letters, digits and _ only")
+        if source.type not in REWARD_TYPES:
+            raise ConfigError(f"{key}.type={source.type!r} is not one of {list(REWARD_TYPES)}")
+        if not math.isfinite(source.weight):
+            raise ConfigError(f"{key}.weight={source.weight} must be a finite number, e.g. 1.0")
+        if source.type == "env":
+            scoring = {"per_turn": source.per_turn, "normalize": source.normalize, "clip": source.clip}
+            set_ = [k for k, v in scoring.items() if v not in (False, None)]
+            if set_ or source.function or source.url:
+                what = set_[0] if set_ else "function" if source.function else "url"
+                raise ConfigError(
+                    f"{key}.{what} is set on the env source, whose rewards train as the environment gives "
+                    f"them; scale them with {key}.weight, or score with a source of type function"
+                )
+            continue
+        if (source.function is None) == (source.url is None):
+            raise ConfigError(
+                f"{key} (type function) needs one of function (pkg.module:fn) or url (http://...), "
+                f"got function={source.function!r}, url={source.url!r}"
+            )
+        if source.function is not None and not callable(load_entry_point(source.function, f"{key}.function")):
+            raise ConfigError(f"{key}.function={source.function!r} is not callable")
+        if source.url is not None and not source.url.startswith(("http://", "https://")):
+            raise ConfigError(f"{key}.url={source.url!r} must start with http:// or https://")
+        if source.timeout_s <= 0:
+            raise ConfigError(f"{key}.timeout_s={source.timeout_s} must be > 0 (seconds per call), e.g. 60")
+        if source.max_retries < 0:
+            raise ConfigError(f"{key}.max_retries={source.max_retries} must be >= 0, e.g. 2")
+        if source.clip is not None and source.clip <= 0:
+            raise ConfigError(f"{key}.clip={source.clip} must be > 0 (or null for none), e.g. 5.0")
+
+
+class RunningMoments:
+    """Mean and (population) std of every value seen (Chan et al.'s parallel update)."""
+
+    def __init__(self, count: int = 0, mean: float = 0.0, m2: float = 0.0):
+        self.count, self.mean, self.m2 = count, mean, m2
+
+    def update(self, values: list[float]) -> None:
+        if not values:
+            return
+        n, mean = len(values), statistics.fmean(values)
+        m2 = sum((v - mean) ** 2 for v in values)
+        total = self.count + n
+        delta = mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += m2 + delta**2 * self.count * n / total
+        self.count = total
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.m2 / self.count) if self.count else 0.0
+
+
+class ScoreError(Exception):
+    """A scorer failed on its whole batch (raised, timed out, or answered in the wrong shape)."""
+
+
+class Scorer:
+    """A `function` source: `score(inputs)` is one score (or None: a failed score) per input."""
+
+    def __init__(self, name: str, cfg: RewardSourceConfig):
+        self.name, self.cfg = name, cfg
+        self.fn = load_entry_point(cfg.function, f"reward.sources.{name}.function") if cfg.function else None
+
+    async def score(self, inputs: list[RewardInput]) -> list[float | None]:
+        try:
+            if self.fn is None:
+                result = await asyncio.to_thread(self._post, inputs)
+            elif inspect.iscoroutinefunction(self.fn):
+                result = await asyncio.wait_for(self.fn(inputs), self.cfg.timeout_s)
+            else:  # a thread that runs past the timeout is left behind, as an env call's
+                result = await asyncio.wait_for(asyncio.to_thread(self.fn, inputs), self.cfg.timeout_s)
+        except TimeoutError:
+            raise ScoreError(f"no scores within timeout_s={self.cfg.timeout_s}") from None
+        except ScoreError:
+            raise
+        except Exception as exc:
+            raise ScoreError(f"{type(exc).__name__}: {exc}") from exc
+        if not isinstance(result, (list, tuple)) or len(result) != len(inputs):
+            raise ScoreError(
+                f"returned {str(result)[:200]!r} for {len(inputs)} inputs; return one score per input"
+            )
+        return [_finite(value) for value in result]
+
+    def _post(self, inputs: list[RewardInput]) -> Any:
+        body = json.dumps({"inputs": [asdict(i) for i in inputs]}, default=str).encode()
+        request = urllib.request.Request(self.cfg.url, body, {"Content-Type": "application/json"})
+        for attempt in range(self.cfg.max_retries + 1):
+            try:
+                with urllib.request.urlopen(request, timeout=self.cfg.timeout_s) as answer:
+                    return json.loads(answer.read())["rewards"]
+            except urllib.error.HTTPError as exc:
+                if exc.code < 500 or attempt == self.cfg.max_retries:
+                    raise ScoreError(f"{self.cfg.url} answered {exc.code}: {exc.read()[:200]!r}") from None
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+                if attempt == self.cfg.max_retries:
+                    raise ScoreError(f"{self.cfg.url}: {exc} ({attempt + 1} tries)") from None
+            except (KeyError, ValueError, TypeError) as exc:
+                raise ScoreError(f"{self.cfg.url} did not answer {{'rewards': [...]}}: {exc}") from None
+            time.sleep(0.5 * 2**attempt)
+        raise AssertionError("unreachable")
+
+
+def _finite(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+class Rewards:
+    """The run's reward sources (`reward`), applied to finished episodes by `score`."""
+
+    def __init__(self, cfg: RewardConfig, tokenizer: Any, env_failure: str):
+        sources = source_configs(cfg)
+        self.tokenizer, self.env_failure = tokenizer, env_failure
+        self.env = next((name for name, s in sources.items() if s.type == "env"), None)
+        self.env_weight = sources[self.env].weight if self.env else 0.0
+        self.scorers = [Scorer(name, s) for name, s in sources.items() if s.type != "env"]
+        self.moments = {s.name: RunningMoments() for s in self.scorers if s.cfg.normalize}
+
+    @property
+    def env_only(self) -> bool:
+        """The default: episodes train on the environment's rewards as they are."""
+        return not self.scorers and self.env_weight == 1.0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The running statistics of the normalised sources (nothing without one)."""
+        if not self.moments:
+            return {}
+        return {"reward_moments": {name: vars(m).copy() for name, m in self.moments.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("reward_moments", {})
+        self.moments = {name: RunningMoments(**saved.get(name, {})) for name in self.moments}
+
+    async def score(self, episodes: list[Episode], train: bool = True) -> None:
+        """Each episode's turns rewarded by every source (see the module docstring) and `episode.scores`
+        set to each source's score; `train`: update the running statistics (not for evaluation)."""
+        if self.env_only:
+            return
+        live = [e for e in episodes if e.stop_reason != "error" and e.trajectory.turns]
+        for episode in episodes:
+            episode.scores[self.env or "env"] = episode.reward
+        inputs = {
+            (id(e), per_turn): self._inputs(e, per_turn)
+            for e in live
+            for per_turn in {s.cfg.per_turn for s in self.scorers}
+        }
+        results = await asyncio.gather(*(self._score(scorer, live, inputs, train) for scorer in self.scorers))
+        for episode in live:
+            turns = episode.trajectory.turns
+            for turn in turns:
+                turn.reward *= self.env_weight
+            for scorer, (scored, failed) in zip(self.scorers, results, strict=True):
+                if id(episode) in failed:
+                    self._fail(episode, scorer.name, failed[id(episode)])
+                    break
+                for turn, value in scored[id(episode)]:
+                    turns[turn].reward += scorer.cfg.weight * value
+            episode.reward = sum(t.reward for t in turns)
+
+    async def _score(
+        self,
+        scorer: Scorer,
+        live: list[Episode],
+        inputs: dict[tuple[int, bool], list[RewardInput]],
+        train: bool,
+    ) -> tuple[dict[int, list[tuple[int, float]]], dict[int, str]]:
+        """One scorer's (episode id -> [(turn, score normalised and clipped)], episode id -> why it failed);
+        each episode's `scores` gets the scorer's mean raw score (NaN when it failed)."""
+        per_episode = {id(e): inputs[id(e), scorer.cfg.per_turn] for e in live}
+        flat = [i for items in per_episode.values() for i in items]
+        failed: dict[int, str] = {}
+        try:
+            values = await scorer.score(flat) if flat else []
+        except ScoreError as exc:
+            for episode in live:
+                episode.scores[scorer.name] = math.nan
+            return {}, {id(e): str(exc) for e in live}
+        raw: dict[int, list[tuple[int, float]]] = {}
+        it = iter(values)
+        for episode in live:
+            items = per_episode[id(episode)]
+            given = [v for v in (next(it) for _ in items) if v is not None]
+            if len(given) < len(items):
+                failed[id(episode)] = "a score that is not a finite number"
+                episode.scores[scorer.name] = math.nan
+                continue
+            raw[id(episode)] = [(item.turn, v) for item, v in zip(items, given, strict=True)]
+            episode.scores[scorer.name] = statistics.fmean(given)
+        moments = self.moments.get(scorer.name)
+        if moments is not None and train:
+            moments.update([v for got in raw.values() for _, v in got])
+        return {
+            key: [(turn, self._shaped(scorer, moments, v)) for turn, v in got] for key, got in raw.items()
+        }, failed
+
+    @staticmethod
+    def _shaped(scorer: Scorer, moments: RunningMoments | None, value: float) -> float:
+        if moments is not None and moments.count:
+            value = (value - moments.mean) / (moments.std + 1e-6)
+        clip = scorer.cfg.clip
+        return value if clip is None else min(max(value, -clip), clip)
+
+    def _inputs(self, episode: Episode, per_turn: bool) -> list[RewardInput]:
+        trajectory, row = episode.trajectory, episode.row
+        turns = list(enumerate(trajectory.turns))
+        decode = self.tokenizer.decode
+        return [
+            RewardInput(
+                uid=trajectory.uid,
+                trajectory_id=trajectory.trajectory_id,
+                turn=i,
+                prompt=list(row.prompt) if row else [],
+                extras=dict(row.extras) if row else {},
+                context=decode(turn.context_ids, skip_special_tokens=False),
+                response=decode(turn.response_ids, skip_special_tokens=True),
+                env_reward=turn.reward if per_turn else episode.reward,
+            )
+            for i, turn in (turns if per_turn else turns[-1:])
+        ]
+
+    def _fail(self, episode: Episode, name: str, why: str) -> None:
+        episode.stop_reason, episode.error = "error", f"reward source {name!r}: {why}"
+        fail_turns(episode.trajectory.turns, self.env_failure)
+        episode.reward = 0.0
+
+
+def reward_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """`reward/<name>_mean`, `_std` (of the scores each source gave) and `_failures` over `episodes`."""
+    metrics = {}
+    for name in sorted({name for e in episodes for name in e.scores}):
+        values = [e.scores[name] for e in episodes if name in e.scores]
+        given = [v for v in values if not math.isnan(v)]
+        metrics[f"reward/{name}_mean"] = statistics.fmean(given) if given else math.nan
+        metrics[f"reward/{name}_std"] = statistics.pstdev(given) if given else math.nan
+        metrics[f"reward/{name}_failures"] = float(len(values) - len(given))
+    return metrics
