@@ -4,8 +4,13 @@ Each source `reward.sources.<name>` has a `type` and a `weight`:
 - `env`: the environment's (or the agent's) rewards, per turn as it gave them (the default source);
 - `function`: a scorer of finished responses. `function: pkg.module:fn` is called with a list of
   `RewardInput`s and returns one score each (a sync function runs in a thread; an async one on the
-  run's loop); `url` POSTs `{"inputs": [...]}` (the same fields as JSON) and reads `{"rewards": [...]}`,
-  retrying `max_retries` times on connection errors and 5xx answers. Each call gets `timeout_s`.
+  run's loop); `url` POSTs `{"inputs": [...]}` (the same fields as JSON) and reads `{"rewards": [...]}`;
+- `judge`: an LLM asked to rate each response through an OpenAI-compatible chat completions endpoint
+  (`url`, `model`): the prompt is `template` filled with the row's prompt, the response, the context
+  and the row's columns (`JUDGE_TEMPLATE`, a 0-10 rating, by default), the score the first match of
+  `score_pattern` in the answer; `concurrency` requests at a time.
+HTTP calls are retried `max_retries` times on connection errors and 5xx answers; each call gets
+`timeout_s`.
 
 A scorer scores an episode's last turn in its full context (what the model saw, then its response), or
 with `per_turn` each turn. Its scores may be standardised by their running mean and std over the run
@@ -14,8 +19,8 @@ only) and then bounded (`clip`). A turn then trains on `w_env * env reward + sum
 scorers that scored it, and the episode's reward is the sum over its turns, so dynamic sampling, the
 advantages and `reward/mean` all see the combined reward.
 
-A scorer that raises, runs past its timeout or gives a score that is not a finite number fails the
-episodes it was scoring as an environment failure does (`generator.env_failure`), counted as
+A scorer that raises, runs past its timeout or gives a score that is not a finite number (a judge: an
+answer without a score) fails the episodes it was scoring as an environment failure does (`generator.env_failure`), counted as
 `reward/<name>_failures`; `reward/<name>_mean` and `_std` describe the scores it gave (before
 normalising). Episodes that had already failed are not scored.
 """
@@ -26,8 +31,10 @@ import asyncio
 import inspect
 import json
 import math
+import os
 import re
 import statistics
+import string
 import time
 import urllib.error
 import urllib.request
@@ -40,6 +47,19 @@ from skyrl.train.utils.errors import ConfigError
 from skyrl.train.utils.imports import load_entry_point
 
 NAME = re.compile(r"[A-Za-z0-9_]+")
+JUDGE_TEMPLATE = (
+    "Rate how well the response answers the request, from 0 (not at all) to 10 (perfectly). "
+    "Answer with the number only.\n\nRequest:\n{prompt}\n\nResponse:\n{response}"
+)
+JUDGE_FIELDS = (
+    "model",
+    "template",
+    "score_pattern",
+    "temperature",
+    "max_tokens",
+    "concurrency",
+    "api_key_env",
+)
 
 
 @dataclass
@@ -105,31 +125,76 @@ def validate_rewards(cfg: RewardConfig) -> None:
             raise ConfigError(f"{key}.type={source.type!r} is not one of {list(REWARD_TYPES)}")
         if not math.isfinite(source.weight):
             raise ConfigError(f"{key}.weight={source.weight} must be a finite number, e.g. 1.0")
+        default = RewardSourceConfig()
+        changed = [f.name for f in fields(source) if getattr(source, f.name) != getattr(default, f.name)]
         if source.type == "env":
-            scoring = {"per_turn": source.per_turn, "normalize": source.normalize, "clip": source.clip}
-            set_ = [k for k, v in scoring.items() if v not in (False, None)]
-            if set_ or source.function or source.url:
-                what = set_[0] if set_ else "function" if source.function else "url"
+            if set(changed) - {"type", "weight"}:
+                what = next(f for f in changed if f not in ("type", "weight"))
                 raise ConfigError(
                     f"{key}.{what} is set on the env source, whose rewards train as the environment gives "
-                    f"them; scale them with {key}.weight, or score with a source of type function"
+                    f"them; scale them with {key}.weight, or score with a source of type function or judge"
                 )
             continue
-        if (source.function is None) == (source.url is None):
-            raise ConfigError(
-                f"{key} (type function) needs one of function (pkg.module:fn) or url (http://...), "
-                f"got function={source.function!r}, url={source.url!r}"
-            )
-        if source.function is not None and not callable(load_entry_point(source.function, f"{key}.function")):
-            raise ConfigError(f"{key}.function={source.function!r} is not callable")
-        if source.url is not None and not source.url.startswith(("http://", "https://")):
-            raise ConfigError(f"{key}.url={source.url!r} must start with http:// or https://")
+        if source.type == "judge":
+            _check_judge(key, source)
+        else:
+            judging = [f for f in JUDGE_FIELDS if f in changed]
+            if judging:
+                raise ConfigError(f"{key}.{judging[0]} is a judge's setting, and {key}.type={source.type!r}")
+            _check_function(key, source)
         if source.timeout_s <= 0:
             raise ConfigError(f"{key}.timeout_s={source.timeout_s} must be > 0 (seconds per call), e.g. 60")
         if source.max_retries < 0:
             raise ConfigError(f"{key}.max_retries={source.max_retries} must be >= 0, e.g. 2")
         if source.clip is not None and source.clip <= 0:
             raise ConfigError(f"{key}.clip={source.clip} must be > 0 (or null for none), e.g. 5.0")
+
+
+def _check_function(key: str, source: RewardSourceConfig) -> None:
+    if (source.function is None) == (source.url is None):
+        raise ConfigError(
+            f"{key} (type function) needs one of function (pkg.module:fn) or url (http://...), "
+            f"got function={source.function!r}, url={source.url!r}"
+        )
+    if source.function is not None and not callable(load_entry_point(source.function, f"{key}.function")):
+        raise ConfigError(f"{key}.function={source.function!r} is not callable")
+    _check_url(key, source.url)
+
+
+def _check_url(key: str, url: str | None) -> None:
+    if url is not None and not url.startswith(("http://", "https://")):
+        raise ConfigError(f"{key}.url={url!r} must start with http:// or https://")
+
+
+def _check_judge(key: str, source: RewardSourceConfig) -> None:
+    if source.url is None or source.model is None or source.function is not None:
+        raise ConfigError(
+            f"{key} (type judge) asks the model `model` at the OpenAI-compatible `url`, e.g. "
+            f"{key}.url=http://127.0.0.1:8000/v1 {key}.model=Qwen/Qwen3-8B; got url={source.url!r}, "
+            f"model={source.model!r}" + (f", function={source.function!r}" if source.function else "")
+        )
+    _check_url(key, source.url)
+    try:
+        names = {
+            field for _, field, _, _ in string.Formatter().parse(source.template or JUDGE_TEMPLATE) if field
+        }
+        re.compile(source.score_pattern)
+    except (ValueError, re.error) as exc:
+        what = "template" if isinstance(exc, ValueError) else "score_pattern"
+        raise ConfigError(f"{key}.{what}: {exc}") from None
+    if "response" not in names:
+        raise ConfigError(f"{key}.template has no {{response}}: the judge would not see what it rates")
+    for name, value, rule in [
+        ("temperature", source.temperature, source.temperature >= 0),
+        ("max_tokens", source.max_tokens, source.max_tokens >= 1),
+        ("concurrency", source.concurrency, source.concurrency >= 1),
+    ]:
+        if not rule:
+            raise ConfigError(
+                f"{key}.{name}={value} is out of range, e.g. {getattr(RewardSourceConfig(), name)}"
+            )
+    if source.api_key_env is not None and source.api_key_env not in os.environ:
+        raise ConfigError(f"{key}.api_key_env={source.api_key_env!r}: no such environment variable is set")
 
 
 class RunningMoments:
@@ -159,16 +224,17 @@ class ScoreError(Exception):
 
 
 class Scorer:
-    """A `function` source: `score(inputs)` is one score (or None: a failed score) per input."""
+    """A `function` source: `score(inputs)` is, per input, its score or why there is none (a string)."""
 
     def __init__(self, name: str, cfg: RewardSourceConfig):
         self.name, self.cfg = name, cfg
         self.fn = load_entry_point(cfg.function, f"reward.sources.{name}.function") if cfg.function else None
 
-    async def score(self, inputs: list[RewardInput]) -> list[float | None]:
+    async def score(self, inputs: list[RewardInput]) -> list[float | str]:
         try:
             if self.fn is None:
-                result = await asyncio.to_thread(self._post, inputs)
+                payload = {"inputs": [asdict(i) for i in inputs]}
+                result = (await asyncio.to_thread(post_json, self.cfg, payload)).get("rewards")
             elif inspect.iscoroutinefunction(self.fn):
                 result = await asyncio.wait_for(self.fn(inputs), self.cfg.timeout_s)
             else:  # a thread that runs past the timeout is left behind, as an env call's
@@ -185,28 +251,85 @@ class Scorer:
             )
         return [_finite(value) for value in result]
 
-    def _post(self, inputs: list[RewardInput]) -> Any:
-        body = json.dumps({"inputs": [asdict(i) for i in inputs]}, default=str).encode()
-        request = urllib.request.Request(self.cfg.url, body, {"Content-Type": "application/json"})
-        for attempt in range(self.cfg.max_retries + 1):
+
+class Judge(Scorer):
+    """A `judge` source: each input's prompt (`template`) asked of `model` at `url`, `concurrency` at a
+    time; the first match of `score_pattern` in the answer is the score."""
+
+    def __init__(self, name: str, cfg: RewardSourceConfig):
+        super().__init__(name, cfg)
+        self.template, self.pattern = cfg.template or JUDGE_TEMPLATE, re.compile(cfg.score_pattern)
+        self.headers = {"Authorization": f"Bearer {os.environ[cfg.api_key_env]}"} if cfg.api_key_env else {}
+
+    async def score(self, inputs: list[RewardInput]) -> list[float | str]:
+        limit = asyncio.Semaphore(self.cfg.concurrency)
+
+        async def verdict(item: RewardInput) -> float | str:
             try:
-                with urllib.request.urlopen(request, timeout=self.cfg.timeout_s) as answer:
-                    return json.loads(answer.read())["rewards"]
-            except urllib.error.HTTPError as exc:
-                if exc.code < 500 or attempt == self.cfg.max_retries:
-                    raise ScoreError(f"{self.cfg.url} answered {exc.code}: {exc.read()[:200]!r}") from None
-            except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
-                if attempt == self.cfg.max_retries:
-                    raise ScoreError(f"{self.cfg.url}: {exc} ({attempt + 1} tries)") from None
-            except (KeyError, ValueError, TypeError) as exc:
-                raise ScoreError(f"{self.cfg.url} did not answer {{'rewards': [...]}}: {exc}") from None
-            time.sleep(0.5 * 2**attempt)
-        raise AssertionError("unreachable")
+                prompt = self.template.format(
+                    **item.extras,
+                    prompt="\n\n".join(m["content"] for m in item.prompt if m["role"] == "user"),
+                    response=item.response,
+                    context=item.context,
+                )
+            except (KeyError, IndexError) as exc:
+                return f"template field {exc} is neither prompt, response, context nor a column of the row"
+            body = {
+                "model": self.cfg.model,
+                "messages": [{"role": "user", "content": prompt}],
+                "temperature": self.cfg.temperature,
+                "max_tokens": self.cfg.max_tokens,
+            }
+            async with limit:
+                try:
+                    answer = await asyncio.wait_for(
+                        asyncio.to_thread(post_json, self.cfg, body, "/chat/completions", self.headers),
+                        self.cfg.timeout_s,
+                    )
+                    text = answer["choices"][0]["message"]["content"] or ""
+                except TimeoutError:
+                    return f"no verdict within timeout_s={self.cfg.timeout_s}"
+                except ScoreError as exc:
+                    return str(exc)
+                except (KeyError, IndexError, TypeError) as exc:
+                    return f"{self.cfg.url} answered no chat completion ({exc!r})"
+            match = self.pattern.search(text)
+            return _finite(float(match.group())) if match else f"the verdict {text[:100]!r} has no score"
+
+        return list(await asyncio.gather(*(verdict(item) for item in inputs)))
 
 
-def _finite(value: Any) -> float | None:
+def post_json(
+    cfg: RewardSourceConfig, payload: dict[str, Any], path: str = "", headers: dict[str, str] | None = None
+) -> Any:
+    """`payload` POSTed to `cfg.url` + `path`, the JSON answer; retried `cfg.max_retries` times on
+    connection errors and 5xx answers (`ScoreError` once they are used, or at once for another error)."""
+    url = cfg.url + path
+    request = urllib.request.Request(
+        url,
+        json.dumps(payload, default=str).encode(),
+        {"Content-Type": "application/json", **(headers or {})},
+    )
+    for attempt in range(cfg.max_retries + 1):
+        try:
+            with urllib.request.urlopen(request, timeout=cfg.timeout_s) as answer:
+                return json.loads(answer.read())
+        except urllib.error.HTTPError as exc:
+            if exc.code < 500 or attempt == cfg.max_retries:
+                raise ScoreError(f"{url} answered {exc.code}: {exc.read()[:200]!r}") from None
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+            if attempt == cfg.max_retries:
+                raise ScoreError(f"{url}: {exc} ({attempt + 1} tries)") from None
+        except ValueError as exc:
+            raise ScoreError(f"{url} answered no JSON: {exc}") from None
+        time.sleep(0.5 * 2**attempt)
+    raise AssertionError("unreachable")
+
+
+def _finite(value: Any) -> float | str:
+    """`value` as a score, or why it is none."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
+        return f"a score that is not a finite number: {value!r}"
     return float(value)
 
 
@@ -218,7 +341,11 @@ class Rewards:
         self.tokenizer, self.env_failure = tokenizer, env_failure
         self.env = next((name for name, s in sources.items() if s.type == "env"), None)
         self.env_weight = sources[self.env].weight if self.env else 0.0
-        self.scorers = [Scorer(name, s) for name, s in sources.items() if s.type != "env"]
+        self.scorers = [
+            (Judge if s.type == "judge" else Scorer)(name, s)
+            for name, s in sources.items()
+            if s.type != "env"
+        ]
         self.moments = {s.name: RunningMoments() for s in self.scorers if s.cfg.normalize}
 
     @property
@@ -284,9 +411,10 @@ class Rewards:
         it = iter(values)
         for episode in live:
             items = per_episode[id(episode)]
-            given = [v for v in (next(it) for _ in items) if v is not None]
+            got = [next(it) for _ in items]
+            given = [v for v in got if not isinstance(v, str)]
             if len(given) < len(items):
-                failed[id(episode)] = "a score that is not a finite number"
+                failed[id(episode)] = next(v for v in got if isinstance(v, str))
                 episode.scores[scorer.name] = math.nan
                 continue
             raw[id(episode)] = [(item.turn, v) for item, v in zip(items, given, strict=True)]

@@ -393,7 +393,7 @@ class EnvironmentConfig:
     timeout_s: float = 600.0  # per env call (constructor, init, step, close); past it the episode fails
 
 
-REWARD_TYPES = ("env", "function")
+REWARD_TYPES = ("env", "function", "judge")
 
 
 @dataclass
@@ -402,7 +402,12 @@ class RewardSourceConfig:
 
     `type`: one of `REWARD_TYPES`: `env`, the environment's (or agent's) rewards per turn as given;
     `function`, a scorer over a batch of finished responses: `function` (`pkg.module:fn`, sync or
-    async) or `url` (the batch POSTed as JSON, retried `max_retries` times), each call given `timeout_s`.
+    async) or `url` (the batch POSTed as JSON); `judge`, an LLM asked to rate each response: the chat
+    completions endpoint at `url` (OpenAI-compatible, ending in /v1) serving `model`, with `template`
+    (null: a 0-10 rating, `skyrl.train.rewards.JUDGE_TEMPLATE`), sampled at `temperature` for at most
+    `max_tokens` tokens, `concurrency` requests at a time, the key in the environment variable
+    `api_key_env` (if any); the first match of `score_pattern` in its answer is the score.
+    HTTP calls are retried `max_retries` times on connection errors and 5xx; each call gets `timeout_s`.
     `weight`: its factor in the sum an episode trains on. A scorer scores the last turn of an episode in
     its full context, or every turn with `per_turn`; `normalize` standardises its scores by their running
     mean and std over the run (kept in checkpoints), then `clip` bounds them to [-clip, clip]."""
@@ -416,6 +421,13 @@ class RewardSourceConfig:
     url: str | None = None
     timeout_s: float = 60.0
     max_retries: int = 2
+    model: str | None = None
+    template: str | None = None
+    score_pattern: str = r"-?\d+(?:\.\d+)?"
+    temperature: float = 0.0
+    max_tokens: int = 16
+    concurrency: int = 16
+    api_key_env: str | None = None
 
 
 @dataclass

@@ -17,9 +17,12 @@ from skyrl.train.config import compose_config
 from skyrl.train.dataset.preprocess import Trajectory, Turn
 from skyrl.train.dataset.prompt_dataset import PromptRow
 from skyrl.train.generator.rollout import Episode
-from skyrl.train.rewards import Rewards, reward_metrics
-from skyrl.train.schema import RewardConfig
+from skyrl.train.rewards import JUDGE_TEMPLATE, Rewards, reward_metrics
+from skyrl.train.schema import OpenAIServerConfig, RewardConfig
 from skyrl.train.utils.errors import ConfigError
+from skyrl.train.utils.tiny_model import create_tiny_model
+
+from .inference.conftest import memorise, serving
 
 HERE = __name__
 
@@ -59,13 +62,20 @@ def tokenizer(tiny_model_path):
     return AutoTokenizer.from_pretrained(tiny_model_path)
 
 
-def episode(tokenizer, uid: str, responses: list[str], turn_rewards: list[float], target: int = 3) -> Episode:
-    turns, context = [], tokenizer.encode("Guess a number.")
+def episode(
+    tokenizer,
+    uid: str,
+    responses: list[str],
+    turn_rewards: list[float],
+    target: int = 3,
+    asked: str = "Guess a number.",
+) -> Episode:
+    turns, context = [], tokenizer.encode(asked)
     for text, reward in zip(responses, turn_rewards, strict=True):
         ids = tokenizer.encode(text)
         turns.append(Turn(list(context), ids, [0.0] * len(ids), [1] * len(ids), reward))
         context += ids + tokenizer.encode(" Higher.")
-    row = PromptRow(0, [{"role": "user", "content": "Guess a number."}], extras={"target": target})
+    row = PromptRow(0, [{"role": "user", "content": asked}], extras={"target": target})
     return Episode(Trajectory(uid, f"{uid}/0", turns), "done", sum(turn_rewards), row=row)
 
 
@@ -121,7 +131,7 @@ def test_a_scorer_gets_the_row_the_context_and_the_env_reward(tokenizer):
     [
         ("broken", [True, True], "RuntimeError: the judge is down"),
         ("too_few", [True, True], "returned '[1.0]' for 2 inputs; return one score per input"),
-        ("none_for_short", [False, True], "a score that is not a finite number"),
+        ("none_for_short", [False, True], "a score that is not a finite number: None"),
         ("slow", [True, True], "no scores within timeout_s=0.2"),
     ],
     ids=["raises", "wrong-length", "not-a-number", "timeout"],
@@ -223,6 +233,46 @@ def test_a_url_source_posts_the_batch_and_retries_a_server_error(tokenizer, rewa
     assert bad[0].error.startswith(f"reward source 'length': {reward_server} answered 400")
 
 
+ASKED = "Is the sky blue?"
+VERDICTS = {"Yes.": "7", "No.": "2", "Maybe.": "unsure"}  # what the tiny judge has memorised
+
+
+@pytest.fixture(scope="module")
+def judge_url(ray_cluster, tmp_path_factory):
+    """A tiny judge that rates the answers to ASKED as VERDICTS says, behind the run's own endpoint."""
+    path = create_tiny_model(tmp_path_factory.mktemp("judge"))
+    judge = AutoTokenizer.from_pretrained(path)
+
+    def asked(response):
+        prompt = JUDGE_TEMPLATE.format(prompt=ASKED, response=response)
+        messages = [{"role": "user", "content": prompt}]
+        return judge.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+
+    eos = [judge.eos_token_id]
+    memorise(path, [(asked(r), judge.encode(v, add_special_tokens=False) + eos) for r, v in VERDICTS.items()])
+    with serving(path, OpenAIServerConfig(port=0, served_model_name="judge")) as (_, server):
+        yield f"{server.url}/v1"
+
+
+def test_a_judge_rates_each_response_and_an_answer_without_a_score_fails_only_its_episode(
+    tokenizer, judge_url
+):
+    source = {"type": "judge", "url": judge_url, "model": "judge", "weight": 0.1}
+    rewarder = rewards(tokenizer, {"env": {"type": "env"}, "judge": source})
+    episodes = [episode(tokenizer, r, [r], [1.0], asked=ASKED) for r in VERDICTS]
+    score(rewarder, episodes)
+    assert [e.reward for e in episodes] == [pytest.approx(1.7), pytest.approx(1.2), 0.0]
+    assert episodes[2].error == "reward source 'judge': the verdict 'unsure' has no score"
+    metrics = reward_metrics(episodes)
+    assert (metrics["reward/judge_mean"], metrics["reward/judge_failures"]) == (4.5, 1.0)
+    late = rewards(tokenizer, {"env": {"type": "env"}, "judge": {**source, "timeout_s": 1e-4}})
+    episodes = [episode(tokenizer, r, [r], [1.0], asked=ASKED) for r in VERDICTS]
+    score(late, episodes)
+    assert {e.error for e in episodes} == {"reward source 'judge': no verdict within timeout_s=0.0001"}
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -232,7 +282,7 @@ def test_a_url_source_posts_the_batch_and_retries_a_server_error(tokenizer, rewa
         ),
         (
             ["+reward.sources.judge={type: model}"],
-            r"reward.sources.judge.type='model' is not one of \['env', 'function'\]",
+            r"reward.sources.judge.type='model' is not one of \['env', 'function', 'judge'\]",
         ),
         (
             ["+reward.sources.judge={tpye: function}"],
@@ -250,6 +300,21 @@ def test_a_url_source_posts_the_batch_and_retries_a_server_error(tokenizer, rewa
         ),
         (["+reward.sources.my-judge={type: function, function: 'os:getcwd'}"], r"letters, digits and _ only"),
         (["+reward.sources.env2={type: env}"], r"\['env', 'env2'\] are all of type env"),
+        (
+            ["+reward.sources.judge={type: judge, url: 'http://x/v1'}"],
+            r"\(type judge\) asks the model `model`",
+        ),
+        (
+            ["+reward.sources.judge={type: judge, url: 'http://x/v1', model: m, template: 'Rate {prompt}'}"],
+            r"judge.template has no \{response\}",
+        ),
+        (
+            [
+                f"+reward.sources.judge={{type: function, function: '{HERE}:chars', template: 'x {{response}}'}}"
+            ],
+            r"judge.template is a judge's setting, and reward.sources.judge.type='function'",
+        ),
+        (["+reward.sources.env.model=m"], r"reward.sources.env.model is set on the env source"),
     ],
     ids=[
         "no-scorer",
@@ -261,6 +326,10 @@ def test_a_url_source_posts_the_batch_and_retries_a_server_error(tokenizer, rewa
         "missing-module",
         "bad-name",
         "two-envs",
+        "judge-without-model",
+        "template-without-response",
+        "judge-setting-on-function",
+        "judge-setting-on-env",
     ],
 )
 def test_a_source_that_cannot_score_is_a_config_error_naming_the_key(overrides, message):
