@@ -515,7 +515,10 @@ def preflight(cfg: SkyRLConfig, resources: Mapping[str, float], num_allowed_toke
 def check_gpu_budget(cfg: SkyRLConfig, use_ref: bool, use_critic: bool, cluster_gpus: int) -> None:
     """`ConfigError` naming each model's GPUs when the layout needs more than the cluster's `cluster_gpus`:
     colocated, the policy's bundles hold everything; disaggregated, the policy, reference and critic
-    ranks and `num_engines x tensor_parallel_size` engine GPUs each need GPUs of their own."""
+    ranks and `num_engines x tensor_parallel_size` engine GPUs each need GPUs of their own, as do the
+    engines of a judge that has its own."""
+    from skyrl.train.rewards import judge_engine_config, source_configs
+
     placement, engine = cfg.trainer.placement, cfg.generator.inference_engine
     roles = ["policy"] + (["ref"] * use_ref + ["critic"] * use_critic if not placement.colocate_all else [])
     needs = {
@@ -525,6 +528,11 @@ def check_gpu_budget(cfg: SkyRLConfig, use_ref: bool, use_critic: bool, cluster_
         needs["engines (num_engines x tensor_parallel_size)"] = (
             engine.num_engines * engine.tensor_parallel_size
         )
+    for name, source in source_configs(cfg.reward).items():  # judges on engines of their own
+        if source.type == "judge" and source.url is None:
+            judge = judge_engine_config(f"reward.sources.{name}", source)
+            if judge.device != "cpu":
+                needs[f"judge {name} engines"] = judge.num_engines * judge.tensor_parallel_size
     if sum(needs.values()) > cluster_gpus:
         parts = ", ".join(f"{name} {n}" for name, n in needs.items())
         raise ConfigError(

@@ -28,9 +28,11 @@ normalising). Episodes that had already failed are not scored.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import inspect
 import json
 import math
+import numbers
 import os
 import re
 import statistics
@@ -41,8 +43,12 @@ import urllib.request
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from skyrl.train.cluster import resolve_model_path
 from skyrl.train.generator.rollout import Episode, fail_turns
-from skyrl.train.schema import REWARD_TYPES, RewardConfig, RewardSourceConfig
+from skyrl.train.inference import InferenceEngineClient
+from skyrl.train.inference.config import validate_engine_config
+from skyrl.train.inference.engine import SamplingParams
+from skyrl.train.schema import REWARD_TYPES, InferenceEngineConfig, RewardConfig, RewardSourceConfig
 from skyrl.train.utils.errors import ConfigError
 from skyrl.train.utils.imports import load_entry_point
 
@@ -100,7 +106,15 @@ def source_configs(cfg: RewardConfig) -> dict[str, RewardSourceConfig]:
         try:
             made = RewardSourceConfig(**source)
             made.weight, made.timeout_s = float(made.weight), float(made.timeout_s)
-            made.clip = None if made.clip is None else float(made.clip)
+            made.temperature, made.clip = (
+                float(made.temperature),
+                None if made.clip is None else float(made.clip),
+            )
+            made.max_retries, made.max_tokens, made.concurrency = (
+                int(made.max_retries),
+                int(made.max_tokens),
+                int(made.concurrency),
+            )
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{key}: {exc}") from None
         sources[name] = made
@@ -167,13 +181,17 @@ def _check_url(key: str, url: str | None) -> None:
 
 
 def _check_judge(key: str, source: RewardSourceConfig) -> None:
-    if source.url is None or source.model is None or source.function is not None:
+    if source.model is None or source.function is not None or (source.url and source.engine is not None):
         raise ConfigError(
-            f"{key} (type judge) asks the model `model` at the OpenAI-compatible `url`, e.g. "
-            f"{key}.url=http://127.0.0.1:8000/v1 {key}.model=Qwen/Qwen3-8B; got url={source.url!r}, "
-            f"model={source.model!r}" + (f", function={source.function!r}" if source.function else "")
+            f"{key} (type judge) asks `model` at an OpenAI-compatible `url` (e.g. {key}.url="
+            f"http://127.0.0.1:8000/v1 {key}.model=Qwen/Qwen3-8B) or, with no url, engines of its own on "
+            f"`model` set up by `engine` (e.g. {key}.model=Qwen/Qwen3-8B {key}.engine={{backend: vllm}}); "
+            f"got url={source.url!r}, model={source.model!r}, engine={source.engine!r}"
+            + (f", function={source.function!r}" if source.function else "")
         )
     _check_url(key, source.url)
+    if source.url is None:
+        validate_engine_config(judge_engine_config(key, source), f"{key}.engine")
     try:
         names = {
             field for _, field, _, _ in string.Formatter().parse(source.template or JUDGE_TEMPLATE) if field
@@ -195,6 +213,15 @@ def _check_judge(key: str, source: RewardSourceConfig) -> None:
             )
     if source.api_key_env is not None and source.api_key_env not in os.environ:
         raise ConfigError(f"{key}.api_key_env={source.api_key_env!r}: no such environment variable is set")
+
+
+def judge_engine_config(key: str, source: RewardSourceConfig) -> InferenceEngineConfig:
+    """The engine settings of a judge served by engines of its own; `ConfigError` for an unknown one."""
+    try:
+        return InferenceEngineConfig(**(source.engine or {}))
+    except TypeError as exc:
+        known = sorted(f.name for f in fields(InferenceEngineConfig))
+        raise ConfigError(f"{key}.engine: {exc}; the settings are {known}") from None
 
 
 class RunningMoments:
@@ -232,9 +259,12 @@ class Scorer:
 
     async def score(self, inputs: list[RewardInput]) -> list[float | str]:
         try:
-            if self.fn is None:
+            if self.fn is None:  # the deadline covers the retries
                 payload = {"inputs": [asdict(i) for i in inputs]}
-                result = (await asyncio.to_thread(post_json, self.cfg, payload)).get("rewards")
+                answer = await asyncio.wait_for(
+                    asyncio.to_thread(post_json, self.cfg, payload), self.cfg.timeout_s
+                )
+                result = answer.get("rewards") if isinstance(answer, dict) else answer
             elif inspect.iscoroutinefunction(self.fn):
                 result = await asyncio.wait_for(self.fn(inputs), self.cfg.timeout_s)
             else:  # a thread that runs past the timeout is left behind, as an env call's
@@ -245,6 +275,8 @@ class Scorer:
             raise
         except Exception as exc:
             raise ScoreError(f"{type(exc).__name__}: {exc}") from exc
+        if hasattr(result, "tolist"):  # a numpy array or a tensor
+            result = result.tolist()
         if not isinstance(result, (list, tuple)) or len(result) != len(inputs):
             raise ScoreError(
                 f"returned {str(result)[:200]!r} for {len(inputs)} inputs; return one score per input"
@@ -260,41 +292,71 @@ class Judge(Scorer):
         super().__init__(name, cfg)
         self.template, self.pattern = cfg.template or JUDGE_TEMPLATE, re.compile(cfg.score_pattern)
         self.headers = {"Authorization": f"Bearer {os.environ[cfg.api_key_env]}"} if cfg.api_key_env else {}
+        self.client: InferenceEngineClient | None = None
+        if cfg.url is None:  # engines of its own
+            from transformers import AutoTokenizer
+
+            path = resolve_model_path(cfg.model)
+            self.tokenizer = AutoTokenizer.from_pretrained(path)
+            engine = judge_engine_config(f"reward.sources.{name}", cfg)
+            self.client = InferenceEngineClient.from_config(engine, path)
+            self.sampling = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens)
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.shutdown()
+
+    async def _ask(self, prompt: str) -> str:
+        """The judge's answer to `prompt` (a user message)."""
+        messages = [{"role": "user", "content": prompt}]
+        if self.client is None:
+            body = {
+                "model": self.cfg.model,
+                "messages": messages,
+                "temperature": self.cfg.temperature,
+                "max_tokens": self.cfg.max_tokens,
+            }
+            answer = await asyncio.to_thread(post_json, self.cfg, body, "/chat/completions", self.headers)
+            try:
+                return answer["choices"][0]["message"]["content"] or ""
+            except (KeyError, IndexError, TypeError) as exc:
+                raise ScoreError(f"{self.cfg.url} answered no chat completion ({exc!r})") from None
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        out = await self.client.generate(ids, self.sampling)
+        return self.tokenizer.decode(out.response_ids, skip_special_tokens=True)
 
     async def score(self, inputs: list[RewardInput]) -> list[float | str]:
         limit = asyncio.Semaphore(self.cfg.concurrency)
 
         async def verdict(item: RewardInput) -> float | str:
-            try:
-                prompt = self.template.format(
-                    **item.extras,
-                    prompt="\n\n".join(m["content"] for m in item.prompt if m["role"] == "user"),
-                    response=item.response,
-                    context=item.context,
-                )
-            except (KeyError, IndexError) as exc:
-                return f"template field {exc} is neither prompt, response, context nor a column of the row"
-            body = {
-                "model": self.cfg.model,
-                "messages": [{"role": "user", "content": prompt}],
-                "temperature": self.cfg.temperature,
-                "max_tokens": self.cfg.max_tokens,
+            asked = (_text(m.get("content")) for m in item.prompt if m.get("role") == "user")
+            fields = {
+                **item.extras,
+                "prompt": "\n\n".join(asked),
+                "response": item.response,
+                "context": item.context,
             }
+            try:
+                prompt = self.template.format_map(fields)
+            except KeyError as exc:
+                return f"template field {exc} is neither prompt, response, context nor a column of the row"
+            except Exception as exc:  # a format spec the value does not take, ...
+                return f"the template cannot be filled: {type(exc).__name__}: {exc}"
             async with limit:
                 try:
-                    answer = await asyncio.wait_for(
-                        asyncio.to_thread(post_json, self.cfg, body, "/chat/completions", self.headers),
-                        self.cfg.timeout_s,
-                    )
-                    text = answer["choices"][0]["message"]["content"] or ""
+                    text = await asyncio.wait_for(self._ask(prompt), self.cfg.timeout_s)
                 except TimeoutError:
                     return f"no verdict within timeout_s={self.cfg.timeout_s}"
-                except ScoreError as exc:
-                    return str(exc)
-                except (KeyError, IndexError, TypeError) as exc:
-                    return f"{self.cfg.url} answered no chat completion ({exc!r})"
+                except Exception as exc:  # a dead engine, an endpoint's error: this verdict only
+                    return str(exc) if isinstance(exc, ScoreError) else f"{type(exc).__name__}: {exc}"
             match = self.pattern.search(text)
-            return _finite(float(match.group())) if match else f"the verdict {text[:100]!r} has no score"
+            found = match and (match.group(1) if self.pattern.groups else match.group())
+            try:
+                return _finite(float(found)) if found else f"the verdict {text[:100]!r} has no score"
+            except ValueError:
+                return f"the verdict's score {found!r} (of {text[:100]!r}) is not a number"
 
         return list(await asyncio.gather(*(verdict(item) for item in inputs)))
 
@@ -317,7 +379,7 @@ def post_json(
         except urllib.error.HTTPError as exc:
             if exc.code < 500 or attempt == cfg.max_retries:
                 raise ScoreError(f"{url} answered {exc.code}: {exc.read()[:200]!r}") from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+        except (OSError, http.client.HTTPException) as exc:  # URLError, timeouts, resets, SSL, cut answers
             if attempt == cfg.max_retries:
                 raise ScoreError(f"{url}: {exc} ({attempt + 1} tries)") from None
         except ValueError as exc:
@@ -327,10 +389,17 @@ def post_json(
 
 
 def _finite(value: Any) -> float | str:
-    """`value` as a score, or why it is none."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    """`value` (a number, numpy's included) as a score, or why it is none."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         return f"a score that is not a finite number: {value!r}"
     return float(value)
+
+
+def _text(content: Any) -> str:
+    """A message's content as text (text parts joined)."""
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return str(content or "")
 
 
 class Rewards:
@@ -353,6 +422,12 @@ class Rewards:
         """The default: episodes train on the environment's rewards as they are."""
         return not self.scorers and self.env_weight == 1.0
 
+    def close(self) -> None:
+        """Stop the engines of judges served by engines of their own."""
+        for scorer in self.scorers:
+            if isinstance(scorer, Judge):
+                scorer.close()
+
     def state_dict(self) -> dict[str, Any]:
         """The running statistics of the normalised sources (nothing without one)."""
         if not self.moments:
@@ -369,13 +444,12 @@ class Rewards:
         if self.env_only:
             return
         live = [e for e in episodes if e.stop_reason != "error" and e.trajectory.turns]
-        for episode in episodes:
-            episode.scores[self.env or "env"] = episode.reward
-        inputs = {
-            (id(e), per_turn): self._inputs(e, per_turn)
-            for e in live
-            for per_turn in {s.cfg.per_turn for s in self.scorers}
-        }
+        for episode in episodes if self.env else ():
+            episode.scores[self.env] = episode.reward
+        kinds = {s.cfg.per_turn for s in self.scorers}  # decoding is CPU work: off the run's event loop
+        inputs = await asyncio.to_thread(
+            lambda: {(id(e), per_turn): self._inputs(e, per_turn) for e in live for per_turn in kinds}
+        )
         results = await asyncio.gather(*(self._score(scorer, live, inputs, train) for scorer in self.scorers))
         for episode in live:
             turns = episode.trajectory.turns
@@ -428,8 +502,8 @@ class Rewards:
 
     @staticmethod
     def _shaped(scorer: Scorer, moments: RunningMoments | None, value: float) -> float:
-        if moments is not None and moments.count:
-            value = (value - moments.mean) / (moments.std + 1e-6)
+        if moments is not None and moments.count:  # scores that never varied are only centred
+            value = (value - moments.mean) / (moments.std if moments.std > 1e-6 else 1.0)
         clip = scorer.cfg.clip
         return value if clip is None else min(max(value, -clip), clip)
 

@@ -77,7 +77,7 @@ class Sampler:
         With dynamic sampling, groups whose episodes all scored the same are set aside and more prompts
         are drawn (at most `max_sample_batches` draws); if the batch is still short, set-aside groups
         fill it and are left out of the loss. `zero_variance_filter` leaves out every such group. Both
-        decide per episode, on its total environment reward (before any KL penalty). `reward/*` and
+        decide per episode, on its total reward from the run's reward sources (before any KL penalty). `reward/*` and
         `episode/*` describe the trained batch; figures over every draw go under `dynamic_sampling/`.
         With a stream, `async/*` gives the trained episodes' staleness, the episodes dropped for
         exceeding it and how long before the previous step's training (ended at `train_ended`) their
@@ -212,7 +212,7 @@ def env_failure_warning(step: int, episodes: list[Episode], env_failure: str) ->
     trained = "masked out of the loss" if env_failure == "mask" else "trained with reward 0"
     first = failed[0]
     return (
-        f"step {step}: {len(failed)} of {len(episodes)} episodes failed in their environment or agent (their turns are "
+        f"step {step}: {len(failed)} of {len(episodes)} episodes failed in their environment, agent or a reward source (their turns are "
         f"{trained}); first: {first.trajectory.trajectory_id}: {first.error}"
     )
 

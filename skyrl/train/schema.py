@@ -403,10 +403,13 @@ class RewardSourceConfig:
     `type`: one of `REWARD_TYPES`: `env`, the environment's (or agent's) rewards per turn as given;
     `function`, a scorer over a batch of finished responses: `function` (`pkg.module:fn`, sync or
     async) or `url` (the batch POSTed as JSON); `judge`, an LLM asked to rate each response: the chat
-    completions endpoint at `url` (OpenAI-compatible, ending in /v1) serving `model`, with `template`
+    completions endpoint at `url` (OpenAI-compatible, ending in /v1) serving `model`, or with no `url`
+    engines of the judge's own on `model` (a path or hub name; never weight-synced), started by the
+    run with `engine`'s `InferenceEngineConfig` settings (e.g. {backend: hf, num_engines: 1}), with `template`
     (null: a 0-10 rating, `skyrl.train.rewards.JUDGE_TEMPLATE`), sampled at `temperature` for at most
     `max_tokens` tokens, `concurrency` requests at a time, the key in the environment variable
-    `api_key_env` (if any); the first match of `score_pattern` in its answer is the score.
+    `api_key_env` (if any); the first match of `score_pattern` in its answer (its first group, if it
+    has one) is the score.
     HTTP calls are retried `max_retries` times on connection errors and 5xx; each call gets `timeout_s`.
     `weight`: its factor in the sum an episode trains on. A scorer scores the last turn of an episode in
     its full context, or every turn with `per_turn`; `normalize` standardises its scores by their running
@@ -428,6 +431,7 @@ class RewardSourceConfig:
     max_tokens: int = 16
     concurrency: int = 16
     api_key_env: str | None = None
+    engine: dict[str, Any] | None = None
 
 
 @dataclass

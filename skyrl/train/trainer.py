@@ -293,5 +293,6 @@ class Trainer:
         if close is not None:
             close()
         self.tracker.close()
+        self.sampler.rewards.close()
         self.engines.close()
         self.cluster.close()

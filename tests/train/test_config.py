@@ -106,6 +106,11 @@ def test_a_layout_that_needs_more_gpus_than_the_cluster_has_is_refused_naming_ea
     with pytest.raises(ConfigError, match=r"needs 9 GPUs"):  # preflight asks the same of the cluster
         preflight(compose_config([*LAYOUT, "trainer.algorithm.use_kl_loss=true"]), {"CPU": 64.0, "GPU": 8.0})
     preflight(compose_config(LAYOUT), {"CPU": 8.0})  # no GPUs: the engines and workers run on CPUs
+    judged = compose_config(
+        [*LAYOUT, "+reward.sources.judge={type: judge, model: tiny, engine: {num_engines: 2}}"]
+    )
+    with pytest.raises(ConfigError, match=r"needs 10 GPUs \(.*engines .* 4, judge judge engines 2\)"):
+        check_gpu_budget(judged, use_ref=False, use_critic=False, cluster_gpus=8)
 
 
 def test_preflight_refuses_broadcast_between_colocated_gpu_ranks_and_flash_attention_without_its_gpu():

@@ -36,6 +36,10 @@ def turn_index(inputs):
     return [float(i.turn) for i in inputs]
 
 
+def numpy_lengths(inputs):
+    return np.array([len(i.response) for i in inputs], dtype=np.float32)
+
+
 async def slow(inputs):
     await asyncio.sleep(5)
     return [1.0] * len(inputs)
@@ -111,6 +115,19 @@ def test_a_turn_trains_on_the_weighted_sum_of_its_sources_and_each_is_logged(tok
     assert metrics["reward/chars_failures"] == 0.0
 
 
+def test_numpy_scores_are_scores(tokenizer):
+    rewarder = rewards(
+        tokenizer,
+        {
+            "env": {"type": "env", "weight": 0.0},
+            "n": {"type": "function", "function": f"{HERE}:numpy_lengths"},
+        },
+    )
+    episodes = [episode(tokenizer, "a", ["seven"], [0.0]), episode(tokenizer, "b", ["one"], [0.0])]
+    score(rewarder, episodes)
+    assert [e.reward for e in episodes] == [5.0, 3.0] and "n" in episodes[0].scores
+
+
 def test_a_scorer_gets_the_row_the_context_and_the_env_reward(tokenizer):
     rewarder = rewards(
         tokenizer,
@@ -170,7 +187,7 @@ def test_normalised_scores_use_the_running_statistics_of_training_batches_only(t
         score(rewarder, episodes)
         seen += [len(t) for t in texts]
         mean, std = np.mean(seen), np.std(seen)
-        expected = [float(np.clip((len(t) - mean) / (std + 1e-6), -1.5, 1.5)) for t in texts]
+        expected = [float(np.clip((len(t) - mean) / std, -1.5, 1.5)) for t in texts]
         assert [e.reward for e in episodes] == pytest.approx(expected, abs=1e-9)
     assert max(abs(e.reward) for e in episodes) == 1.5  # clipped
     state = json.loads(json.dumps(rewarder.state_dict()))  # as a checkpoint keeps it
@@ -238,8 +255,8 @@ VERDICTS = {"Yes.": "7", "No.": "2", "Maybe.": "unsure"}  # what the tiny judge 
 
 
 @pytest.fixture(scope="module")
-def judge_url(ray_cluster, tmp_path_factory):
-    """A tiny judge that rates the answers to ASKED as VERDICTS says, behind the run's own endpoint."""
+def judge_path(tmp_path_factory):
+    """A tiny judge that rates the answers to ASKED as VERDICTS says."""
     path = create_tiny_model(tmp_path_factory.mktemp("judge"))
     judge = AutoTokenizer.from_pretrained(path)
 
@@ -252,7 +269,13 @@ def judge_url(ray_cluster, tmp_path_factory):
 
     eos = [judge.eos_token_id]
     memorise(path, [(asked(r), judge.encode(v, add_special_tokens=False) + eos) for r, v in VERDICTS.items()])
-    with serving(path, OpenAIServerConfig(port=0, served_model_name="judge")) as (_, server):
+    return path
+
+
+@pytest.fixture(scope="module")
+def judge_url(ray_cluster, judge_path):
+    """The tiny judge behind the run's own endpoint."""
+    with serving(judge_path, OpenAIServerConfig(port=0, served_model_name="judge")) as (_, server):
         yield f"{server.url}/v1"
 
 
@@ -267,10 +290,31 @@ def test_a_judge_rates_each_response_and_an_answer_without_a_score_fails_only_it
     assert episodes[2].error == "reward source 'judge': the verdict 'unsure' has no score"
     metrics = reward_metrics(episodes)
     assert (metrics["reward/judge_mean"], metrics["reward/judge_failures"]) == (4.5, 1.0)
+    worded = rewards(tokenizer, {"env": {"type": "env"}, "judge": {**source, "score_pattern": r"^(\w+)$"}})
+    episodes = [episode(tokenizer, r, [r], [1.0], asked=ASKED) for r in VERDICTS]
+    score(worded, episodes)
+    assert episodes[0].reward == pytest.approx(1.7)  # the pattern's group is the score
+    assert (
+        episodes[2].error
+        == "reward source 'judge': the verdict's score 'unsure' (of 'unsure') is not a number"
+    )
     late = rewards(tokenizer, {"env": {"type": "env"}, "judge": {**source, "timeout_s": 1e-4}})
     episodes = [episode(tokenizer, r, [r], [1.0], asked=ASKED) for r in VERDICTS]
     score(late, episodes)
     assert {e.error for e in episodes} == {"reward source 'judge': no verdict within timeout_s=0.0001"}
+
+
+def test_a_judge_on_engines_of_its_own_gives_the_same_verdicts(ray_cluster, tokenizer, judge_path):
+    engine = {"backend": "hf", "device": "cpu"}
+    source = {"type": "judge", "model": str(judge_path), "engine": engine, "weight": 0.1}
+    rewarder = rewards(tokenizer, {"env": {"type": "env"}, "judge": source})
+    try:
+        episodes = [episode(tokenizer, r, [r], [1.0], asked=ASKED) for r in VERDICTS]
+        score(rewarder, episodes)
+    finally:
+        rewarder.close()
+    assert [e.reward for e in episodes] == [pytest.approx(1.7), pytest.approx(1.2), 0.0]
+    assert episodes[2].error == "reward source 'judge': the verdict 'unsure' has no score"
 
 
 @pytest.mark.parametrize(
@@ -300,9 +344,14 @@ def test_a_judge_rates_each_response_and_an_answer_without_a_score_fails_only_it
         ),
         (["+reward.sources.my-judge={type: function, function: 'os:getcwd'}"], r"letters, digits and _ only"),
         (["+reward.sources.env2={type: env}"], r"\['env', 'env2'\] are all of type env"),
+        (["+reward.sources.judge={type: judge, url: 'http://x/v1'}"], r"\(type judge\) asks `model` at an"),
         (
-            ["+reward.sources.judge={type: judge, url: 'http://x/v1'}"],
-            r"\(type judge\) asks the model `model`",
+            ["+reward.sources.judge={type: judge, model: m, engine: {backend: nope}}"],
+            r"judge.engine.backend='nope'",
+        ),
+        (
+            ["+reward.sources.judge={type: judge, model: m, engine: {gpus: 1}}"],
+            r"judge.engine: .*'gpus'.*settings are",
         ),
         (
             ["+reward.sources.judge={type: judge, url: 'http://x/v1', model: m, template: 'Rate {prompt}'}"],
@@ -327,6 +376,8 @@ def test_a_judge_rates_each_response_and_an_answer_without_a_score_fails_only_it
         "bad-name",
         "two-envs",
         "judge-without-model",
+        "judge-engine-backend",
+        "judge-engine-unknown",
         "template-without-response",
         "judge-setting-on-function",
         "judge-setting-on-env",

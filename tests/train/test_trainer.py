@@ -630,7 +630,7 @@ def test_console_warns_of_env_failures_with_their_count_and_first_error():
     assert env_failure_warning(3, [ok, ok], "mask") is None
     line = env_failure_warning(3, [ok, *failed], "mask")
     assert line == (
-        "step 3: 2 of 3 episodes failed in their environment or agent (their turns are masked out of the "
+        "step 3: 2 of 3 episodes failed in their environment, agent or a reward source (their turns are masked out of the "
         "loss); first: a/1: ValueError: bad 1"
     )
     assert "trained with reward 0" in env_failure_warning(3, failed, "zero_reward")

@@ -418,7 +418,7 @@ def check_failures(episodes: list[Episode], max_fraction: float) -> None:
     if len(failures) > max_fraction * len(episodes):
         quoted = "; ".join(f"{e.trajectory.trajectory_id}: {e.error}" for e in failures[:3])
         raise RuntimeError(
-            f"{len(failures)} of {len(episodes)} episodes failed in their environment or agent (more than "
+            f"{len(failures)} of {len(episodes)} episodes failed in their environment, agent or a reward source (more than "
             f"generator.max_env_failure_fraction={max_fraction}); first errors: {quoted}"
         )
 

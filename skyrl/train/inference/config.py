@@ -35,9 +35,9 @@ def _choice(section: str, name: str, value: object, choices: tuple[str, ...]) ->
         raise ConfigError(f"{section}.{name}={value!r} is not one of {list(choices)}; pick one of them.")
 
 
-def validate_engine_config(cfg: InferenceEngineConfig) -> None:
-    """Raise `ConfigError` (naming the key, the value and a fix) for the first invalid setting."""
-    k = ENGINE_KEY
+def validate_engine_config(cfg: InferenceEngineConfig, k: str = ENGINE_KEY) -> None:
+    """Raise `ConfigError` (naming the key under section `k`, the value and a fix) for the first invalid
+    setting."""
     _choice(k, "backend", cfg.backend, BACKENDS)
     _choice(k, "device", cfg.device, DEVICES)
     _choice(k, "dtype", cfg.dtype, DTYPES)

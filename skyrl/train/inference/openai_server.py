@@ -259,7 +259,7 @@ class OpenAIServer:
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
         prompt_ids, (out,), (answer,) = await self._chat_generate(chat, session_id)
-        response = responses.response_body(body, self.model_name, prompt_ids, out, answer)
+        response = responses.response_object(body, self.model_name, prompt_ids, out, answer)
         if not body.stream:
             return response
         return StreamingResponse(

@@ -11,11 +11,13 @@ item, the text as a `message`, each call as a `function_call`; with `stream=true
 named server-sent events, built from the finished answer (`stream_events`).
 
 Stateless: the conversation travels in `input` (`store` is ignored; `previous_response_id` gets a 400),
-and one answer per request. Items other than these (images, files, built-in tools) get a 400 naming them.
+and one answer per request. Items other than these (images, files, built-in tools) and structured output
+(`text.format` other than text) get a 400 naming them.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
@@ -85,14 +87,15 @@ class ResponsesRequest(BaseModel):
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = None  # null, as OpenAI's API takes it: the default (true)
     max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=1)
     seed: int | None = None
     stream: bool = False
     previous_response_id: str | None = None
+    text: dict[str, Any] | None = None
 
 
 def _text(parts: str | list[TextPart]) -> str:
@@ -122,6 +125,12 @@ def input_items(body: ResponsesRequest) -> list[BaseModel]:
 def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     """`body` as the chat request it means; `ValueError` for a `previous_response_id` or input items not
     served (`input_items`)."""
+    text_format = (body.text or {}).get("format") or {"type": "text"}
+    if text_format.get("type") != "text":
+        raise ValueError(
+            f"text.format={text_format.get('type')!r}: structured output is not served; ask for JSON in the "
+            "instructions and parse the text"
+        )
     if body.previous_response_id is not None:
         raise ValueError(
             "previous_response_id: responses are not stored here; send the whole conversation in `input` "
@@ -173,10 +182,10 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         messages=messages,
         tools=tools or None,
         tool_choice=choice,
-        parallel_tool_calls=body.parallel_tool_calls,
+        parallel_tool_calls=body.parallel_tool_calls is not False,
         max_tokens=body.max_output_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k,
         seed=body.seed,
     )
@@ -216,7 +225,7 @@ def output_items(answer: dict[str, Any]) -> list[dict[str, Any]]:
     return items
 
 
-def response_body(
+def response_object(
     body: ResponsesRequest, model: str, prompt_ids: list[int], out: GenerationOutput, answer: dict[str, Any]
 ) -> dict[str, Any]:
     """The Responses API's response object for one answer, with our `prompt_token_ids` and `token_ids`;
@@ -237,9 +246,9 @@ def response_body(
         "tool_choice": body.tool_choice.model_dump()
         if isinstance(body.tool_choice, NamedFunction)
         else body.tool_choice or "auto",
-        "parallel_tool_calls": body.parallel_tool_calls,
-        "temperature": body.temperature,
-        "top_p": body.top_p,
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
         "max_output_tokens": body.max_output_tokens,
         "usage": {
             "input_tokens": len(prompt_ids),
@@ -257,7 +266,7 @@ def stream_events(response: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """A finished response as the Responses API's stream events: `response.created`, each output item
     added, its text (reasoning, output text, call arguments) as one delta and done, the item done, then
     `response.completed` (or `response.incomplete`) with the whole response."""
-    sequence = iter(range(1 << 62))
+    sequence = itertools.count()
 
     def event(type_: str, **fields: Any) -> dict[str, Any]:
         return {"type": type_, "sequence_number": next(sequence), **fields}
@@ -279,9 +288,11 @@ def stream_events(response: dict[str, Any]) -> Iterator[dict[str, Any]]:
             yield event(
                 "response.output_item.added", item={**item, "status": "in_progress", "content": []}, **at
             )
-            text = item["content"][0]["text"]
-            yield event("response.reasoning_text.delta", content_index=0, delta=text, **on)
-            yield event("response.reasoning_text.done", content_index=0, text=text, **on)
+            part = item["content"][0]
+            yield event("response.content_part.added", content_index=0, part={**part, "text": ""}, **on)
+            yield event("response.reasoning_text.delta", content_index=0, delta=part["text"], **on)
+            yield event("response.reasoning_text.done", content_index=0, text=part["text"], **on)
+            yield event("response.content_part.done", content_index=0, part=part, **on)
         else:
             yield event(
                 "response.output_item.added", item={**item, "status": "in_progress", "arguments": ""}, **at

@@ -618,8 +618,19 @@ def test_a_streamed_response_is_the_same_response_in_named_events(openai_client)
             {"input": [{"type": "function_call_output", "call_id": "call_9", "output": "18C"}]},
             "tool_call_id='call_9'",
         ),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "w", "schema": {}}}},
+            "text.format='json_schema': structured output is not served",
+        ),
     ],
-    ids=["previous-response", "unknown-item", "image-part", "unknown-function", "unmatched-call-id"],
+    ids=[
+        "previous-response",
+        "unknown-item",
+        "image-part",
+        "unknown-function",
+        "unmatched-call-id",
+        "structured",
+    ],
 )
 def test_responses_requests_we_cannot_serve_are_a_400_naming_why(http, fields, text):
     body = {"model": MODEL, "input": [ASKED], "tools": [RESPONSES_WEATHER], **fields}
@@ -629,7 +640,13 @@ def test_responses_requests_we_cannot_serve_are_a_400_naming_why(http, fields, t
 
 
 def test_a_response_cut_by_max_output_tokens_is_incomplete(http):
-    body = {"model": MODEL, "input": "Weather in Paris?", "max_output_tokens": 2}
+    body = {
+        "model": MODEL,
+        "input": "Weather in Paris?",
+        "max_output_tokens": 2,
+        "temperature": None,
+        "top_p": None,
+    }
     response = http.post("/v1/responses", json=body).json()
     assert (response["status"], response["incomplete_details"]) == (
         "incomplete",
