@@ -13,7 +13,7 @@ import pytest
 import yaml
 from hydra import compose, initialize_config_dir
 
-from skyrl.train.config import CONFIG_DIR, compose_config, register_schema
+from skyrl.train.config import CONFIG_DIR, check_gpu_budget, compose_config, register_schema
 from skyrl.train.utils.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,6 +72,20 @@ def test_gsm8k_recipe_is_the_examples_setup(in_run_dir):
     assert cfg.generator.inference_engine.backend == "vllm"
     p = cfg.trainer.placement
     assert (p.policy_num_nodes, p.policy_num_gpus_per_node, p.colocate_all) == (1, 8, True)
+
+
+def test_the_judge_recipe_splits_the_node_between_the_policy_and_its_judge(in_run_dir):
+    _gsm8k_data(in_run_dir)
+    cfg = compose_config([], RECIPES, "gsm8k_llm_judge")
+    judge = cfg.reward.sources["judge"]
+    assert (judge["type"], judge["model"], cfg.reward.sources["env"]["weight"]) == (
+        "judge",
+        "Qwen/Qwen2.5-7B-Instruct",
+        1.0,
+    )
+    check_gpu_budget(cfg, use_ref=False, use_critic=False, cluster_gpus=8)  # 4 policy + 2 x 2 judge GPUs
+    with pytest.raises(ConfigError, match=r"needs 8 GPUs .*judge judge engines 4\), the Ray cluster has 7"):
+        check_gpu_budget(cfg, use_ref=False, use_critic=False, cluster_gpus=7)
 
 
 def test_two_nodes_is_the_one_node_recipe_on_twice_the_gpus(in_run_dir):
