@@ -88,6 +88,21 @@ def test_the_judge_recipe_splits_the_node_between_the_policy_and_its_judge(in_ru
         check_gpu_budget(cfg, use_ref=False, use_critic=False, cluster_gpus=7)
 
 
+def test_the_rlhf_recipe_is_classic_ppo_on_a_reward_model_alone(in_run_dir):
+    (in_run_dir / "data/rlhf").mkdir(parents=True)
+    for name in ("train", "test"):
+        (in_run_dir / f"data/rlhf/{name}.parquet").touch()
+    cfg = compose_config([], RECIPES, "rlhf_ppo_qwen0.5b")
+    algorithm, sources = cfg.trainer.algorithm, cfg.reward.sources
+    assert (algorithm.advantage_estimator, algorithm.use_kl_in_reward, cfg.environment.env_class) == (
+        "gae",
+        True,
+        "chat",
+    )
+    assert sources["env"]["weight"] == 0.0 and sources["rm"]["type"] == "model"
+    check_gpu_budget(cfg, use_ref=True, use_critic=True, cluster_gpus=8)  # all colocated on the policy's 8
+
+
 def test_two_nodes_is_the_one_node_recipe_on_twice_the_gpus(in_run_dir):
     _gsm8k_data(in_run_dir)
     one = compose_config([], RECIPES, "gsm8k_qwen0.5b_1node")

@@ -11,6 +11,7 @@ _REGISTRY: dict[str, str | type[BaseTextEnv]] = {
     "guess_number": "skyrl.envs.guess_number:GuessNumberEnv",
     "math": "skyrl.envs.math_env:MathEnv",
     "calculator": "skyrl.envs.calculator:CalculatorEnv",
+    "chat": "skyrl.envs.chat:ChatEnv",
 }
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -20,10 +20,16 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from skyrl.train.inference import InferenceEngineClient
-from skyrl.train.schema import SkyRLConfig, TrainerConfig
+from skyrl.train.schema import ModelConfig, RefConfig, RewardSourceConfig, SkyRLConfig, TrainerConfig
 from skyrl.train.utils.tracking import Tracker
 from skyrl.train.workers.actor_group import ActorGroup, create_placement_group, pin_to_cores, unpin_driver
-from skyrl.train.workers.fsdp_worker import CriticWorker, FSDPWorker, PolicyWorker, RefWorker
+from skyrl.train.workers.fsdp_worker import (
+    CriticWorker,
+    FSDPWorker,
+    PolicyWorker,
+    RefWorker,
+    RewardModelWorker,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -64,15 +70,19 @@ class Roles:
 
 @dataclass
 class WorkerGroups:
-    """The running worker groups: the policy, and the reference and critic when the algorithm needs them."""
+    """The running worker groups: the policy, the reference and critic when the algorithm needs them, and
+    the reward models of `reward.sources` (by source name)."""
 
     policy: ActorGroup
     ref: ActorGroup | None
     critic: ActorGroup | None
     ref_from_policy: bool = False
+    reward_models: dict[str, ActorGroup] = field(default_factory=dict)
 
     def all(self) -> list[ActorGroup]:
-        return [g for g in (self.policy, self.ref, self.critic) if g is not None]
+        return [g for g in (self.policy, self.ref, self.critic) if g is not None] + list(
+            self.reward_models.values()
+        )
 
     def trained(self) -> dict[str, ActorGroup]:
         """The groups whose weights train (what a checkpoint holds), by name."""
@@ -81,6 +91,7 @@ class WorkerGroups:
     def replace(self, fresh: WorkerGroups) -> None:
         """Take `fresh`'s groups (started after the old ones died): whoever holds this object uses them."""
         self.policy, self.ref, self.critic = fresh.policy, fresh.ref, fresh.critic
+        self.reward_models = fresh.reward_models
 
 
 class Cluster:
@@ -88,7 +99,8 @@ class Cluster:
     engines' placement (`engine_placement`), core pinning and the release of it all (`close`).
 
     `sampled_from` goes to every worker: the engines' sampling temperature and allowed tokens, which the
-    logprobs are of. `model_path` is the policy's resolved model (a null `trainer.<role>.model.path`)."""
+    logprobs are of. `model_path` is the policy's resolved model (a null `trainer.<role>.model.path`).
+    `reward_models` are the sources of type model (`reward.sources`), each a worker group of its own."""
 
     def __init__(
         self,
@@ -97,17 +109,19 @@ class Cluster:
         resources: Mapping[str, float],
         sampled_from: Mapping[str, Any],
         factories: Factories,
+        reward_models: Mapping[str, RewardSourceConfig] | None = None,
     ):
         self.cfg, self.model_path, self.sampled_from = cfg, model_path, sampled_from
         self.factories = factories
+        self.reward_models = dict(reward_models or {})
         self.on_gpu = resources.get("GPU", 0) > 0
         self.roles = Roles.of(cfg.trainer)
         self.colocated = cfg.trainer.placement.colocate_all
         self.groups: WorkerGroups | None = None
         self._driver_cores: list[int] | None = None
         self._placement_groups: list[Any] = []
-        # policy, ref, critic, inference engines: colocated, each takes this fraction of every bundle
-        shares = 1 + self.roles.ref + self.roles.critic + 1
+        # policy, ref, critic, reward models, inference engines: colocated, each takes this fraction of every bundle
+        shares = 1 + self.roles.ref + self.roles.critic + len(self.reward_models) + 1
         self.worker_fraction = 1.0 / shares if self.colocated else 1.0
         gpus = 1 if self.on_gpu else 0  # the driver may sit on a CPU node
         placement = cfg.trainer.placement
@@ -116,16 +130,20 @@ class Cluster:
             "num_gpus": gpus * self.worker_fraction,
         }
 
-        def bundles(role: str) -> Any:
+        def bundles(size: int) -> Any:
             pg = factories.placement_group(
-                placement.dp_size(role), cpus_per_bundle=placement.cpus_per_worker, gpus_per_bundle=gpus
+                size, cpus_per_bundle=placement.cpus_per_worker, gpus_per_bundle=gpus
             )
             self._placement_groups.append(pg)
             return pg
 
-        self._shared_pg = bundles("policy") if self.colocated else None
+        self._shared_pg = bundles(placement.dp_size("policy")) if self.colocated else None
         roles = ["policy"] + ["ref"] * self.roles.ref + ["critic"] * self.roles.critic
-        self._worker_pgs = {role: self._shared_pg or bundles(role) for role in roles}
+        self._worker_pgs = {role: self._shared_pg or bundles(placement.dp_size(role)) for role in roles}
+        for name, source in self.reward_models.items():
+            self._worker_pgs[f"reward:{name}"] = self._shared_pg or bundles(
+                source.num_nodes * source.num_gpus_per_node
+            )
 
     @property
     def engines_first(self) -> bool:
@@ -166,11 +184,25 @@ class Cluster:
                 **self.sampled_from,
             )
 
+        def reward_model(name: str, source: RewardSourceConfig) -> ActorGroup:
+            pg = self._worker_pgs[f"reward:{name}"]
+            return self.factories.actor_group(
+                RewardModelWorker,
+                trainer,
+                resolve_model_path(source.model),
+                len(pg.bundle_specs),
+                pg,
+                resource_fraction=self.worker_fraction,
+                wait=False,
+                section=RefConfig(ModelConfig(path=source.model)),
+            )
+
         groups = WorkerGroups(
             group(PolicyWorker, None),
             group(RefWorker, trainer.ref.model.path) if self.roles.ref else None,
             group(CriticWorker, trainer.critic.model.path) if self.roles.critic else None,
             self.roles.ref_from_policy,
+            {name: reward_model(name, source) for name, source in self.reward_models.items()},
         )
         try:
             for g in groups.all():

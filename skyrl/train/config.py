@@ -516,7 +516,7 @@ def check_gpu_budget(cfg: SkyRLConfig, use_ref: bool, use_critic: bool, cluster_
     """`ConfigError` naming each model's GPUs when the layout needs more than the cluster's `cluster_gpus`:
     colocated, the policy's bundles hold everything; disaggregated, the policy, reference and critic
     ranks and `num_engines x tensor_parallel_size` engine GPUs each need GPUs of their own, as do the
-    engines of a judge that has its own."""
+    reward models' ranks and the engines of a judge that has its own."""
     from skyrl.train.rewards import judge_engine_config, source_configs
 
     placement, engine = cfg.trainer.placement, cfg.generator.inference_engine
@@ -529,6 +529,10 @@ def check_gpu_budget(cfg: SkyRLConfig, use_ref: bool, use_critic: bool, cluster_
             engine.num_engines * engine.tensor_parallel_size
         )
     for name, source in source_configs(cfg.reward).items():  # judges on engines of their own
+        if source.type == "model" and not placement.colocate_all:
+            needs[f"reward model {name} (num_nodes x num_gpus_per_node)"] = (
+                source.num_nodes * source.num_gpus_per_node
+            )
         if source.type == "judge" and source.url is None:
             judge = judge_engine_config(f"reward.sources.{name}", source)
             if judge.device != "cpu":

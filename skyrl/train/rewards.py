@@ -43,29 +43,40 @@ import urllib.request
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from skyrl.train.cluster import resolve_model_path
+from skyrl.train.cluster import WorkerGroups, resolve_model_path
+from skyrl.train.dataset.preprocess import TrainingSequence, collate_sequences
 from skyrl.train.generator.rollout import Episode, fail_turns
 from skyrl.train.inference import InferenceEngineClient
 from skyrl.train.inference.config import validate_engine_config
 from skyrl.train.inference.engine import SamplingParams
-from skyrl.train.schema import REWARD_TYPES, InferenceEngineConfig, RewardConfig, RewardSourceConfig
+from skyrl.train.schema import (
+    REWARD_TYPES,
+    InferenceEngineConfig,
+    RewardConfig,
+    RewardSourceConfig,
+    TrainerConfig,
+)
 from skyrl.train.utils.errors import ConfigError
 from skyrl.train.utils.imports import load_entry_point
+from skyrl.train.workers.actor_group import WorkerDiedError
 
 NAME = re.compile(r"[A-Za-z0-9_]+")
 JUDGE_TEMPLATE = (
     "Rate how well the response answers the request, from 0 (not at all) to 10 (perfectly). "
     "Answer with the number only.\n\nRequest:\n{prompt}\n\nResponse:\n{response}"
 )
-JUDGE_FIELDS = (
-    "model",
-    "template",
-    "score_pattern",
-    "temperature",
-    "max_tokens",
-    "concurrency",
-    "api_key_env",
-)
+SCORING = {"type", "weight", "per_turn", "normalize", "clip"}
+HTTP = {"url", "timeout_s", "max_retries"}
+# the settings each type of source takes
+FIELDS = {
+    "env": {"type", "weight"},
+    "function": SCORING | HTTP | {"function"},
+    "judge": SCORING
+    | HTTP
+    | {"model", "template", "score_pattern", "temperature", "max_tokens", "concurrency"}
+    | {"api_key_env", "engine"},
+    "model": SCORING | {"model", "num_nodes", "num_gpus_per_node"},
+}
 
 
 @dataclass
@@ -73,8 +84,8 @@ class RewardInput:
     """One response a scorer scores: the prompt's `uid`, the episode's `trajectory_id`, the scored
     `turn` (its index in the episode), the dataset row's `prompt` messages and other columns (`extras`,
     e.g. a reference answer), the `context` the model saw (decoded with the chat template's special
-    tokens), the `response` it generated (decoded without them) and the environment's reward for it
-    (`env_reward`: the episode's total, or the turn's with `per_turn`)."""
+    tokens), the `response` it generated (decoded without them), the environment's reward for it
+    (`env_reward`: the episode's total, or the turn's with `per_turn`), and the token ids of both."""
 
     uid: str
     trajectory_id: str
@@ -84,6 +95,8 @@ class RewardInput:
     context: str
     response: str
     env_reward: float
+    context_ids: list[int]
+    response_ids: list[int]
 
 
 def source_configs(cfg: RewardConfig) -> dict[str, RewardSourceConfig]:
@@ -141,20 +154,21 @@ def validate_rewards(cfg: RewardConfig) -> None:
             raise ConfigError(f"{key}.weight={source.weight} must be a finite number, e.g. 1.0")
         default = RewardSourceConfig()
         changed = [f.name for f in fields(source) if getattr(source, f.name) != getattr(default, f.name)]
+        foreign = [name for name in changed if name not in FIELDS[source.type]]
+        if foreign:
+            takers = sorted(t for t, names in FIELDS.items() if foreign[0] in names)
+            raise ConfigError(
+                f"{key}.{foreign[0]} does not apply to {key}.type={source.type!r} (sources of type "
+                f"{' or '.join(takers)} take it); the settings of type {source.type} are "
+                f"{sorted(FIELDS[source.type])}"
+            )
         if source.type == "env":
-            if set(changed) - {"type", "weight"}:
-                what = next(f for f in changed if f not in ("type", "weight"))
-                raise ConfigError(
-                    f"{key}.{what} is set on the env source, whose rewards train as the environment gives "
-                    f"them; scale them with {key}.weight, or score with a source of type function or judge"
-                )
             continue
         if source.type == "judge":
             _check_judge(key, source)
+        elif source.type == "model":
+            _check_model(key, source)
         else:
-            judging = [f for f in JUDGE_FIELDS if f in changed]
-            if judging:
-                raise ConfigError(f"{key}.{judging[0]} is a judge's setting, and {key}.type={source.type!r}")
             _check_function(key, source)
         if source.timeout_s <= 0:
             raise ConfigError(f"{key}.timeout_s={source.timeout_s} must be > 0 (seconds per call), e.g. 60")
@@ -173,6 +187,14 @@ def _check_function(key: str, source: RewardSourceConfig) -> None:
     if source.function is not None and not callable(load_entry_point(source.function, f"{key}.function")):
         raise ConfigError(f"{key}.function={source.function!r} is not callable")
     _check_url(key, source.url)
+
+
+def _check_model(key: str, source: RewardSourceConfig) -> None:
+    if source.model is None:
+        raise ConfigError(f"{key} (type model) needs model, the reward model's path or hub name")
+    for name in ("num_nodes", "num_gpus_per_node"):
+        if getattr(source, name) < 1:
+            raise ConfigError(f"{key}.{name}={getattr(source, name)} must be >= 1, e.g. 1")
 
 
 def _check_url(key: str, url: str | None) -> None:
@@ -361,6 +383,58 @@ class Judge(Scorer):
         return list(await asyncio.gather(*(verdict(item) for item in inputs)))
 
 
+class RewardModel(Scorer):
+    """A `model` source: its worker group (`WorkerGroups.reward_models[name]`, a restart replaces it) scores
+    each input's text. With the policy's tokenizer and chat template, the text is the tokens as generated
+    (context and response); otherwise the prompt and the decoded response rendered again with the reward
+    model's own template (as a reward model is trained: one user turn and the answer)."""
+
+    def __init__(
+        self, name: str, cfg: RewardSourceConfig, groups: WorkerGroups, tokenizer: Any, trainer: TrainerConfig
+    ):
+        super().__init__(name, cfg)
+        from transformers import AutoTokenizer
+
+        self.groups, self.trainer = groups, trainer
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.model))
+        self.same_tokens = (
+            self.tokenizer.get_vocab() == tokenizer.get_vocab()
+            and self.tokenizer.chat_template == tokenizer.chat_template
+        )
+
+    def token_ids(self, item: RewardInput) -> list[int]:
+        """What the reward model reads for `item`."""
+        if self.same_tokens:
+            return item.context_ids + item.response_ids
+        messages = [*item.prompt, {"role": "assistant", "content": item.response}]
+        return self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+
+    async def score(self, inputs: list[RewardInput]) -> list[float | str]:
+        """A dead worker is not a failed score: `WorkerDiedError` reaches the trainer, which restarts the
+        workers from the last checkpoint; any other error fails the batch's episodes (`ScoreError`)."""
+        try:
+            return await asyncio.to_thread(self._forward, inputs)
+        except WorkerDiedError:
+            raise
+        except Exception as exc:
+            raise ScoreError(f"{type(exc).__name__}: {exc}") from exc
+
+    def _forward(self, inputs: list[RewardInput]) -> list[float | str]:
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        rows = collate_sequences(
+            [
+                TrainingSequence(
+                    i.uid, i.trajectory_id, i.turn, True, self.token_ids(i), [pad], [1], [0.0], [0.0]
+                )
+                for i in inputs
+            ],
+            pad,
+        )
+        group = self.groups.reward_models[self.name]
+        staged = group.stage(rows, [(0, len(rows))], self.trainer.balance_dp, self.trainer.delay_split_by_dp)
+        return [_finite(v) for v in group.forward(staged)["scores"][:, 0].tolist()]
+
+
 def post_json(
     cfg: RewardSourceConfig, payload: dict[str, Any], path: str = "", headers: dict[str, str] | None = None
 ) -> Any:
@@ -405,16 +479,27 @@ def _text(content: Any) -> str:
 class Rewards:
     """The run's reward sources (`reward`), applied to finished episodes by `score`."""
 
-    def __init__(self, cfg: RewardConfig, tokenizer: Any, env_failure: str):
+    def __init__(
+        self,
+        cfg: RewardConfig,
+        tokenizer: Any,
+        env_failure: str,
+        groups: WorkerGroups | None = None,
+        trainer: TrainerConfig | None = None,
+    ):
+        """`groups` hold the reward models' worker groups (`Cluster`), `trainer` their micro-batch settings."""
         sources = source_configs(cfg)
         self.tokenizer, self.env_failure = tokenizer, env_failure
         self.env = next((name for name, s in sources.items() if s.type == "env"), None)
         self.env_weight = sources[self.env].weight if self.env else 0.0
-        self.scorers = [
-            (Judge if s.type == "judge" else Scorer)(name, s)
-            for name, s in sources.items()
-            if s.type != "env"
-        ]
+
+        def scorer(name: str, source: RewardSourceConfig) -> Scorer:
+            if source.type == "model":
+                assert groups is not None, "a reward model scores in its worker group"
+                return RewardModel(name, source, groups, tokenizer, trainer or TrainerConfig())
+            return (Judge if source.type == "judge" else Scorer)(name, source)
+
+        self.scorers = [scorer(name, s) for name, s in sources.items() if s.type != "env"]
         self.moments = {s.name: RunningMoments() for s in self.scorers if s.cfg.normalize}
 
     @property
@@ -521,6 +606,8 @@ class Rewards:
                 context=decode(turn.context_ids, skip_special_tokens=False),
                 response=decode(turn.response_ids, skip_special_tokens=True),
                 env_reward=turn.reward if per_turn else episode.reward,
+                context_ids=list(turn.context_ids),
+                response_ids=list(turn.response_ids),
             )
             for i, turn in (turns if per_turn else turns[-1:])
         ]

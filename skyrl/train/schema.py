@@ -393,7 +393,7 @@ class EnvironmentConfig:
     timeout_s: float = 600.0  # per env call (constructor, init, step, close); past it the episode fails
 
 
-REWARD_TYPES = ("env", "function", "judge")
+REWARD_TYPES = ("env", "function", "judge", "model")
 
 
 @dataclass
@@ -409,7 +409,10 @@ class RewardSourceConfig:
     (null: a 0-10 rating, `skyrl.train.rewards.JUDGE_TEMPLATE`), sampled at `temperature` for at most
     `max_tokens` tokens, `concurrency` requests at a time, the key in the environment variable
     `api_key_env` (if any); the first match of `score_pattern` in its answer (its first group, if it
-    has one) is the score.
+    has one) is the score. `model`: a scalar reward model (`AutoModelForSequenceClassification`, 1 label,
+    e.g. a Bradley-Terry model) at the path or hub name `model`, in a forward-only FSDP2 worker group:
+    colocated, on the policy's bundles (a share of each); otherwise on `num_nodes` x `num_gpus_per_node`
+    bundles of its own.
     HTTP calls are retried `max_retries` times on connection errors and 5xx; each call gets `timeout_s`.
     `weight`: its factor in the sum an episode trains on. A scorer scores the last turn of an episode in
     its full context, or every turn with `per_turn`; `normalize` standardises its scores by their running
@@ -432,6 +435,8 @@ class RewardSourceConfig:
     concurrency: int = 16
     api_key_env: str | None = None
     engine: dict[str, Any] | None = None
+    num_nodes: int = 1
+    num_gpus_per_node: int = 1
 
 
 @dataclass

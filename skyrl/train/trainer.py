@@ -35,7 +35,7 @@ from skyrl.train.inference import InferenceEngineClient
 from skyrl.train.inference.openai_server import OpenAIServer
 from skyrl.train.ppo_update import PPOUpdate
 from skyrl.train.recovery import Recovery
-from skyrl.train.rewards import Rewards
+from skyrl.train.rewards import Rewards, source_configs
 from skyrl.train.sampler import Sampler
 from skyrl.train.schema import SkyRLConfig
 from skyrl.train.step_batch import StepBatch
@@ -82,7 +82,8 @@ class Trainer:
         preflight(cfg, resources, len(allowed))
         # logprobs of the distribution the engines sample from (greedy sampling: the plain softmax)
         sampled_from = {"temperature": generator.sampling.temperature or 1.0, "allowed_token_ids": allowed}
-        self.cluster = Cluster(cfg, model_path, resources, sampled_from, factories)
+        reward_models = {name: s for name, s in source_configs(cfg.reward).items() if s.type == "model"}
+        self.cluster = Cluster(cfg, model_path, resources, sampled_from, factories, reward_models)
         self.weight_sync = WeightSync.choose(cfg, self.cluster)
         self.engines = self._start_workers_and_engines(factories)
         self.cluster.pin_to_cores(self.client.engines)
@@ -94,7 +95,7 @@ class Trainer:
         loader = PromptLoader(
             train_set, trainer.train_batch_size, seed=trainer.seed, shuffle=cfg.data.shuffle
         )
-        rewards = Rewards(cfg.reward, self.tokenizer, generator.env_failure)
+        rewards = Rewards(cfg.reward, self.tokenizer, generator.env_failure, self.cluster.groups, trainer)
         self.sampler = Sampler(cfg, loader, eval_set, self.rollout, self.engines, rewards)
         self.update = PPOUpdate(cfg, self.cluster.groups)
         run_name = trainer.run_name or self.run_dir.name

@@ -17,7 +17,14 @@ from tests.envs.user_envs import EchoLengthEnv
 
 
 def test_builtins_are_registered():
-    assert {"guess_number", "math", "calculator"} <= set(registered_names())
+    assert {"guess_number", "math", "calculator", "chat"} <= set(registered_names())
+
+
+def test_chat_is_one_turn_without_a_reward_of_its_own():
+    env = make("chat", {}, {})
+    messages, _ = env.init([{"role": "user", "content": "Hi."}])
+    assert messages == [{"role": "user", "content": "Hi."}]
+    assert env.step("Hello!") == BaseTextEnvStepOutput([], 0.0, True)
 
 
 def test_module_class_entry_point_is_imported():

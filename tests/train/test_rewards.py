@@ -325,14 +325,17 @@ def test_a_judge_on_engines_of_its_own_gives_the_same_verdicts(ray_cluster, toke
             r"reward.sources.judge \(type function\) needs one of function",
         ),
         (
-            ["+reward.sources.judge={type: model}"],
-            r"reward.sources.judge.type='model' is not one of \['env', 'function', 'judge'\]",
+            ["+reward.sources.judge={type: critic}"],
+            r"reward.sources.judge.type='critic' is not one of \['env', 'function', 'judge', 'model'\]",
         ),
         (
             ["+reward.sources.judge={tpye: function}"],
             r"reward.sources.judge has no field 'tpye'; its fields are",
         ),
-        (["+reward.sources.env.normalize=true"], r"reward.sources.env.normalize is set on the env source"),
+        (
+            ["+reward.sources.env.normalize=true"],
+            r"reward.sources.env.normalize does not apply to reward.sources.env.type='env' \(sources of type function or judge or model take it\)",
+        ),
         (
             [f"+reward.sources.judge={{type: function, function: '{HERE}:chars', clip: -1}}"],
             r"clip=-1.0 must be > 0",
@@ -361,9 +364,13 @@ def test_a_judge_on_engines_of_its_own_gives_the_same_verdicts(ray_cluster, toke
             [
                 f"+reward.sources.judge={{type: function, function: '{HERE}:chars', template: 'x {{response}}'}}"
             ],
-            r"judge.template is a judge's setting, and reward.sources.judge.type='function'",
+            r"judge.template does not apply to reward.sources.judge.type='function' \(sources of type judge take it\)",
         ),
-        (["+reward.sources.env.model=m"], r"reward.sources.env.model is set on the env source"),
+        (["+reward.sources.rm={type: model}"], r"reward.sources.rm \(type model\) needs model"),
+        (
+            ["+reward.sources.env.model=m"],
+            r"reward.sources.env.model does not apply to reward.sources.env.type='env'",
+        ),
     ],
     ids=[
         "no-scorer",
@@ -380,6 +387,7 @@ def test_a_judge_on_engines_of_its_own_gives_the_same_verdicts(ray_cluster, toke
         "judge-engine-unknown",
         "template-without-response",
         "judge-setting-on-function",
+        "model-without-path",
         "judge-setting-on-env",
     ],
 )

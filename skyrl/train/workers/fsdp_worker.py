@@ -631,6 +631,36 @@ class RefWorker(FSDPWorker):
     trainable = False
 
 
+class RewardModelWorker(FSDPWorker):
+    """A scalar reward model (sequence classification, 1 label), forward-only: `scores` per row.
+
+    A row's text is its prompt part, followed by one placeholder response token: the head runs at the
+    position that predicts it, the text's last real token, where a sequence-classification model reads
+    its score. So token budgets, balancing and pad rows work as for any forward. `section` holds the
+    reward source's model settings (`reward.sources.<name>`, not a `trainer` section)."""
+
+    role = "reward"
+
+    def __init__(self, *args: Any, section: RefConfig, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._section = section
+
+    @property
+    def section(self) -> RefConfig:
+        return self._section
+
+    def _load_model(self, **kwargs: Any) -> torch.nn.Module:
+        from transformers import AutoModelForSequenceClassification
+
+        return AutoModelForSequenceClassification.from_pretrained(
+            self.model_path, num_labels=1, dtype=torch.float32, **kwargs
+        )
+
+    def _output(self, layout: TokenLayout) -> dict[str, torch.Tensor]:
+        scores = self.root(layout, lambda hidden: self.model.score(hidden)[:, 0].float().clone())
+        return {"scores": layout.scatter(scores)}
+
+
 class CriticWorker(TrainableWorker):
     """Critic: the backbone with a scalar value head (token classification, 1 label), clipped value loss."""
 
