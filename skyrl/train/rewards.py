@@ -6,9 +6,10 @@ Each source `reward.sources.<name>` has a `type` and a `weight`:
   `RewardInput`s and returns one score each (a sync function runs in a thread; an async one on the
   run's loop); `url` POSTs `{"inputs": [...]}` (the same fields as JSON) and reads `{"rewards": [...]}`;
 - `judge`: an LLM asked to rate each response through an OpenAI-compatible chat completions endpoint
-  (`url`, `model`): the prompt is `template` filled with the row's prompt, the response, the context
-  and the row's columns (`JUDGE_TEMPLATE`, a 0-10 rating, by default), the score the first match of
-  `score_pattern` in the answer; `concurrency` requests at a time.
+  (`url`, `model`) or engines of its own (`engine`): the prompt is `template` filled with the row's
+  prompt, the response, the context and the row's columns (`JUDGE_TEMPLATE`, a 0-10 rating, by
+  default), the score the first match of `score_pattern` in the answer (or `function`'s parse of it);
+  `concurrency` requests at a time.
 HTTP calls are retried `max_retries` times on connection errors and 5xx answers; each call gets
 `timeout_s`.
 
@@ -73,7 +74,7 @@ FIELDS = {
     "function": SCORING | HTTP | {"function"},
     "judge": SCORING
     | HTTP
-    | {"model", "template", "score_pattern", "temperature", "max_tokens", "concurrency"}
+    | {"model", "template", "score_pattern", "function", "temperature", "max_tokens", "concurrency"}
     | {"api_key_env", "engine"},
     "model": SCORING | {"model", "num_nodes", "num_gpus_per_node"},
 }
@@ -203,14 +204,15 @@ def _check_url(key: str, url: str | None) -> None:
 
 
 def _check_judge(key: str, source: RewardSourceConfig) -> None:
-    if source.model is None or source.function is not None or (source.url and source.engine is not None):
+    if source.model is None or (source.url and source.engine is not None):
         raise ConfigError(
             f"{key} (type judge) asks `model` at an OpenAI-compatible `url` (e.g. {key}.url="
             f"http://127.0.0.1:8000/v1 {key}.model=Qwen/Qwen3-8B) or, with no url, engines of its own on "
             f"`model` set up by `engine` (e.g. {key}.model=Qwen/Qwen3-8B {key}.engine={{backend: vllm}}); "
             f"got url={source.url!r}, model={source.model!r}, engine={source.engine!r}"
-            + (f", function={source.function!r}" if source.function else "")
         )
+    if source.function is not None and not callable(load_entry_point(source.function, f"{key}.function")):
+        raise ConfigError(f"{key}.function={source.function!r} is not callable")
     _check_url(key, source.url)
     if source.url is None:
         validate_engine_config(judge_engine_config(key, source), f"{key}.engine")
@@ -307,8 +309,9 @@ class Scorer:
 
 
 class Judge(Scorer):
-    """A `judge` source: each input's prompt (`template`) asked of `model` at `url`, `concurrency` at a
-    time; the first match of `score_pattern` in the answer is the score."""
+    """A `judge` source: each input's prompt (`template`) asked of `model` at `url` (or of engines of its
+    own), `concurrency` at a time; the score is the first match of `score_pattern` in the answer, or what
+    `function` (the parser, `fn(answer) -> float | None`) makes of it."""
 
     def __init__(self, name: str, cfg: RewardSourceConfig):
         super().__init__(name, cfg)
@@ -373,6 +376,12 @@ class Judge(Scorer):
                     return f"no verdict within timeout_s={self.cfg.timeout_s}"
                 except Exception as exc:  # a dead engine, an endpoint's error: this verdict only
                     return str(exc) if isinstance(exc, ScoreError) else f"{type(exc).__name__}: {exc}"
+            if self.fn is not None:
+                try:
+                    value = self.fn(text)
+                except Exception as exc:
+                    return f"{self.cfg.function} raised on the verdict {text[:100]!r}: {type(exc).__name__}: {exc}"
+                return f"the verdict {text[:100]!r} has no score" if value is None else _finite(value)
             match = self.pattern.search(text)
             found = match and (match.group(1) if self.pattern.groups else match.group())
             try:

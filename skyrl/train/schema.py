@@ -409,7 +409,7 @@ class RewardSourceConfig:
     (null: a 0-10 rating, `skyrl.train.rewards.JUDGE_TEMPLATE`), sampled at `temperature` for at most
     `max_tokens` tokens, `concurrency` requests at a time, the key in the environment variable
     `api_key_env` (if any); the first match of `score_pattern` in its answer (its first group, if it
-    has one) is the score. `model`: a scalar reward model (`AutoModelForSequenceClassification`, 1 label,
+    has one) is the score, or with `function` (`pkg.module:fn(answer) -> float | None`) what it parses. `model`: a scalar reward model (`AutoModelForSequenceClassification`, 1 label,
     e.g. a Bradley-Terry model) at the path or hub name `model`, in a forward-only FSDP2 worker group:
     colocated, on the policy's bundles (a share of each); otherwise on `num_nodes` x `num_gpus_per_node`
     bundles of its own.

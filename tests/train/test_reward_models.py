@@ -113,8 +113,9 @@ def test_a_policy_trained_on_the_reward_model_alone_learns_to_please_it(
     ray_cluster, tiny_model_path, reward_model_path, tmp_path
 ):
     """The one-turn task (the hidden number is always 3) with the environment's reward weighted 0: what the
-    policy learns is the answer the reward model scores highest. Measured (seeds 0, 1, 7): the score rises
-    from -3.2..-2.0 to 3.5-4.0 within 5 steps; with a learning rate of ~0 it stays at -4.4..-0.9."""
+    policy learns is the answer the reward model scores highest. Measured over 6 steps (seeds 0, 2-5): the
+    mean of steps 5-6 is 3.3-6.5 above step 1's (seed 0 settles on a second-best answer); over 8 steps
+    with a learning rate of ~0 (seeds 0, 1, 7) the same figure is -1.8..0.3."""
     sources = [
         "reward.sources.env.weight=0",
         f"+reward.sources.rm={{type: model, model: '{reward_model_path}'}}",
@@ -127,4 +128,4 @@ def test_a_policy_trained_on_the_reward_model_alone_learns_to_please_it(
         trainer.shutdown()
     scores = [m["reward/rm_mean"] for m in history]
     assert [m["reward/mean"] for m in history] == scores, "the env's reward counts 0"
-    assert sum(scores[-2:]) / 2 > scores[0] + 3.0, scores
+    assert sum(scores[-2:]) / 2 > scores[0] + 2.0, scores

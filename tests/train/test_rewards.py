@@ -36,6 +36,11 @@ def turn_index(inputs):
     return [float(i.turn) for i in inputs]
 
 
+def verdict_words(answer):
+    """A judge's parser: the verdicts it knows, scaled; None for the others."""
+    return {"7": 70.0, "2": 20.0}.get(answer.strip())
+
+
 def numpy_lengths(inputs):
     return np.array([len(i.response) for i in inputs], dtype=np.float32)
 
@@ -298,6 +303,13 @@ def test_a_judge_rates_each_response_and_an_answer_without_a_score_fails_only_it
         episodes[2].error
         == "reward source 'judge': the verdict's score 'unsure' (of 'unsure') is not a number"
     )
+    parsed = rewards(
+        tokenizer, {"env": {"type": "env"}, "judge": {**source, "function": f"{HERE}:verdict_words"}}
+    )
+    episodes = [episode(tokenizer, r, [r], [1.0], asked=ASKED) for r in VERDICTS]
+    score(parsed, episodes)
+    assert [e.reward for e in episodes] == [pytest.approx(8.0), pytest.approx(3.0), 0.0]
+    assert episodes[2].error == "reward source 'judge': the verdict 'unsure' has no score"
     late = rewards(tokenizer, {"env": {"type": "env"}, "judge": {**source, "timeout_s": 1e-4}})
     episodes = [episode(tokenizer, r, [r], [1.0], asked=ASKED) for r in VERDICTS]
     score(late, episodes)
