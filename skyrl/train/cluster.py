@@ -139,11 +139,15 @@ class Cluster:
 
         self._shared_pg = bundles(placement.dp_size("policy")) if self.colocated else None
         roles = ["policy"] + ["ref"] * self.roles.ref + ["critic"] * self.roles.critic
-        self._worker_pgs = {role: self._shared_pg or bundles(placement.dp_size(role)) for role in roles}
-        for name, source in self.reward_models.items():
-            self._worker_pgs[f"reward:{name}"] = self._shared_pg or bundles(
-                source.num_nodes * source.num_gpus_per_node
-            )
+        # worker group -> (its ranks, their placement group); colocated, every group has the policy's ranks
+        sizes = {role: placement.dp_size(role) for role in roles} | {
+            f"reward:{name}": source.num_nodes * source.num_gpus_per_node
+            for name, source in self.reward_models.items()
+        }
+        self._worker_pgs = {
+            key: (placement.dp_size("policy"), self._shared_pg) if self.colocated else (size, bundles(size))
+            for key, size in sizes.items()
+        }
 
     @property
     def engines_first(self) -> bool:
@@ -165,14 +169,15 @@ class Cluster:
         return strategies, self.engine_resources
 
     def start_workers(self) -> WorkerGroups:
-        """The policy, ref and critic groups, `placement.dp_size(role)` ranks each, started at once; this
-        call returns when all are ready (or kills them all and raises)."""
+        """The policy, ref and critic groups (`placement.dp_size(role)` ranks each) and the reward models'
+        groups, started at once; this call returns when all are ready (or kills them all and raises)."""
         trainer = self.cfg.trainer
 
-        def group(worker_cls: type[FSDPWorker], model_path: str | None) -> ActorGroup:
+        def group(
+            worker_cls: type[FSDPWorker], model_path: str | None, key: str, **kwargs: Any
+        ) -> ActorGroup:
             path = resolve_model_path(model_path) if model_path else self.model_path
-            role = worker_cls.role
-            pg, size = self._worker_pgs[role], trainer.placement.dp_size(role)
+            size, pg = self._worker_pgs[key]
             return self.factories.actor_group(
                 worker_cls,
                 trainer,
@@ -181,28 +186,23 @@ class Cluster:
                 pg,
                 resource_fraction=self.worker_fraction,
                 wait=False,
-                **self.sampled_from,
+                **kwargs,
             )
 
-        def reward_model(name: str, source: RewardSourceConfig) -> ActorGroup:
-            pg = self._worker_pgs[f"reward:{name}"]
-            return self.factories.actor_group(
-                RewardModelWorker,
-                trainer,
-                resolve_model_path(source.model),
-                len(pg.bundle_specs),
-                pg,
-                resource_fraction=self.worker_fraction,
-                wait=False,
-                section=RefConfig(ModelConfig(path=source.model)),
-            )
+        def role(worker_cls: type[FSDPWorker], model_path: str | None) -> ActorGroup:
+            return group(worker_cls, model_path, worker_cls.role, **self.sampled_from)
 
         groups = WorkerGroups(
-            group(PolicyWorker, None),
-            group(RefWorker, trainer.ref.model.path) if self.roles.ref else None,
-            group(CriticWorker, trainer.critic.model.path) if self.roles.critic else None,
+            role(PolicyWorker, None),
+            role(RefWorker, trainer.ref.model.path) if self.roles.ref else None,
+            role(CriticWorker, trainer.critic.model.path) if self.roles.critic else None,
             self.roles.ref_from_policy,
-            {name: reward_model(name, source) for name, source in self.reward_models.items()},
+            {
+                name: group(
+                    RewardModelWorker, s.model, f"reward:{name}", section=RefConfig(ModelConfig(s.model))
+                )
+                for name, s in self.reward_models.items()
+            },
         )
         try:
             for g in groups.all():

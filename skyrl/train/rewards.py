@@ -21,8 +21,8 @@ scorers that scored it, and the episode's reward is the sum over its turns, so d
 advantages and `reward/mean` all see the combined reward.
 
 A scorer that raises, runs past its timeout or gives a score that is not a finite number (a judge: an
-answer without a score) fails the episodes it was scoring as an environment failure does (`generator.env_failure`), counted as
-`reward/<name>_failures`; `reward/<name>_mean` and `_std` describe the scores it gave (before
+answer without a score) fails the episodes it was scoring as an environment failure does
+(`generator.env_failure`), counted as `reward/<name>_failures`; `reward/<name>_mean` and `_std` describe the scores it gave (before
 normalising). Episodes that had already failed are not scored.
 """
 
