@@ -44,9 +44,11 @@ def groups(ray_cluster, reward_model_path):
     for size, cfg in ((1, TrainerConfig()), (2, TrainerConfig(max_tokens_per_micro_batch=24))):
         pg = create_placement_group(size)
         made[size] = (
-            ActorGroup(RewardModelWorker, cfg, str(reward_model_path), size, pg, section=section),
+            ActorGroup(RewardModelWorker, cfg, str(reward_model_path), size, pg, wait=False, section=section),
             pg,
         )
+    for group, _ in made.values():  # both started at once
+        group.wait_until_ready()
     yield {size: group for size, (group, _) in made.items()}
     for group, pg in made.values():
         group.kill()

@@ -202,9 +202,10 @@ def test_every_sync_path_sends_the_engines_dtype_and_gives_the_same_engine(polic
     batch["old_logprobs"] = policy_dp2.forward(policy_dp2.stage(batch, bounds))["logprobs"]
     policy_dp2.train(policy_dp2.stage(batch, bounds)[:1])
     config = InferenceEngineConfig(backend="hf", device="cpu", dtype="bfloat16")
-    store, broadcast, ipc, base = (
-        InferenceEngineClient.from_config(config, str(tiny_model_path)) for _ in range(4)
-    )
+    clients = [InferenceEngineClient.from_config(config, str(tiny_model_path), wait=False) for _ in range(3)]
+    for client in clients:  # started at once
+        client.wait_until_serving()
+    store, broadcast, ipc = clients
     spec = policy_dp2.run("weight_stream_spec", "bfloat16")[0]
     assert {dtype for group in spec for _, dtype, _ in group} == {"bfloat16"}
     assert 2 * policy_dp2.run("sync_nbytes", False, "bfloat16")[0] == policy_dp2.run("sync_nbytes", False)[0]
@@ -216,6 +217,7 @@ def test_every_sync_path_sends_the_engines_dtype_and_gives_the_same_engine(polic
         return [o.logprobs for o in await asyncio.gather(*(client.generate(p, params) for p in prompts))]
 
     try:
+        base = asyncio.run(sample(store))  # the checkpoint's weights
         asyncio.run(store.update_weights(policy_dp2.rank0_ref("full_state_dict", "bfloat16"), 1))
         asyncio.run(
             broadcast.init_weight_sync(group, lambda: policy_dp2.run_async("init_weight_sync", group))
@@ -224,12 +226,12 @@ def test_every_sync_path_sends_the_engines_dtype_and_gives_the_same_engine(polic
         asyncio.run(broadcast.broadcast_weights(spec, 1, send))
         hand = lambda engines: policy_dp2.run_async("share_weights", engines, 1, "bfloat16")  # noqa: E731
         asyncio.run(ipc.share_weights(spec, 1, hand))
-        results = [asyncio.run(sample(client)) for client in (store, broadcast, ipc, base)]
+        results = [asyncio.run(sample(client)) for client in clients]
     finally:
-        for client in (store, broadcast, ipc, base):
+        for client in clients:
             client.shutdown()
     assert results[0] == results[1] == results[2]
-    assert results[0] != results[3]
+    assert results[0] != base
 
 
 def test_share_weights_with_a_dead_engine_fails_its_rank_and_leaves_no_rank_in_a_collective(

@@ -164,8 +164,10 @@ def test_lora_layouts_train_like_the_plain_lora_path(plain_lora, tiny_model_path
 @pytest.fixture(scope="module")
 def lora_dp2(ray_cluster, tiny_model_path):
     pg = create_placement_group(3)
-    policy = ActorGroup(PolicyWorker, lora_cfg(), str(tiny_model_path), 2, pg)
-    ref = ActorGroup(RefWorker, lora_cfg(), str(tiny_model_path), 1, pg, bundle_offset=2)
+    policy = ActorGroup(PolicyWorker, lora_cfg(), str(tiny_model_path), 2, pg, wait=False)
+    ref = ActorGroup(RefWorker, lora_cfg(), str(tiny_model_path), 1, pg, bundle_offset=2, wait=False)
+    policy.wait_until_ready()  # both started at once
+    ref.wait_until_ready()
     batch, bounds = stepwise_batch(512)
     staged = policy.stage(batch, bounds)
     batch["old_logprobs"] = policy.forward(staged)["logprobs"]
@@ -239,13 +241,16 @@ def test_merged_and_adapter_syncs_give_the_engine_the_same_logprobs(lora_dp2, ti
     the base model's."""
     policy, *_ = lora_dp2
     config = InferenceEngineConfig(backend=backend, kv_cache_memory_bytes=64 << 20)
-    merged = InferenceEngineClient.from_config(config, str(tiny_model_path))
+    merged = InferenceEngineClient.from_config(config, str(tiny_model_path), wait=False)
     adapter = InferenceEngineClient.from_config(
         InferenceEngineConfig(
             backend=backend, kv_cache_memory_bytes=64 << 20, lora_sync="adapter", max_lora_rank=RANK
         ),
         str(tiny_model_path),
+        wait=False,
     )
+    merged.wait_until_serving()  # both started at once
+    adapter.wait_until_serving()
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
     params = SamplingParams(temperature=0.0, max_tokens=6)
 
