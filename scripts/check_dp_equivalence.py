@@ -2,9 +2,10 @@
 
 The plain path: per-step rows on one rank, fixed micro-batches of 2 rows. The layouts
 (`COMPARISONS`): DP=2 (strided, KK-balanced, delayed split), micro-batch 1, token-budget
-micro-batches, and prefix-shared step-wise rows (a trajectory's steps computed as one
-sequence), for every loss reduction and advantage estimator (GAE with a critic, whose
-loss and metrics are compared too). The batch is step-wise with a variable number of
+micro-batches, prefix-shared step-wise rows (a trajectory's steps computed as one
+sequence), and Ulysses sequence parallelism (SP=2, and DP=2 x SP=2 on 4 ranks), for every
+loss reduction and advantage estimator (GAE with a critic, whose loss and metrics are
+compared too), and the forward pass's logprobs and values before training. The batch is step-wise with a variable number of
 turns per episode, so mini-batches hold odd row counts and get padded for DP=2. The loss is the dual-clip
 PPO loss plus a KL term against reference logprobs, so every policy metric is live.
 Prints per-quantity relative differences, the training metrics (clip_frac,
@@ -116,12 +117,14 @@ class Layout:
     """How the rows are computed; every layout must train like `Layout()` on one rank."""
 
     dp_size: int = 1
+    sp_size: int = 1  # Ulysses sequence parallelism: dp_size x sp_size ranks
     micro_batch_size: int = 2
     balance: bool = False
     delay_split: bool = False
     share_prefixes: bool = False
     max_tokens: int | None = None  # token-budget micro-batches
     gradient_checkpointing: bool = False
+    attn: str = "sdpa"  # varlen: packed micro-batches
     lora_rank: int = 0  # LoRA adapters on the policy and critic (0: full fine-tuning)
 
 
@@ -133,6 +136,7 @@ class RunResult:
     gradients: list[torch.Tensor]
     update: torch.Tensor  # parameters after the steps minus before, flattened
     num_mini_batches: int
+    forward: torch.Tensor  # the forward pass's outputs before training: logprobs (and the critic's values)
 
 
 def flat(state: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -142,21 +146,29 @@ def flat(state: dict[str, torch.Tensor]) -> torch.Tensor:
 class WorkerPool:
     """Actor groups kept across `train_two_steps` runs, one per (worker class, ranks) on a placement group
     of its own: a run hands the group its config and reloads the model (`init_model`, ~0.03 s on the tiny
-    model) instead of starting new processes (~5 s each on 2 cores, mostly imports)."""
+    model) instead of starting new processes (~5 s each on 2 cores, mostly imports). The groups hold at
+    most `capacity` ranks (a CPU each): the least recently used ones go to make room."""
 
-    def __init__(self, model_path: str):
-        self.model_path = model_path
-        self.groups: dict[tuple[type[FSDPWorker], int], tuple[ActorGroup, PlacementGroup]] = {}
+    def __init__(self, model_path: str, capacity: int = 8):
+        self.model_path, self.capacity = model_path, capacity
+        self.groups: dict[tuple[type[FSDPWorker], int, int], tuple[ActorGroup, PlacementGroup]] = {}
 
     def group(self, worker_cls: type[FSDPWorker], size: int, cfg: TrainerConfig) -> ActorGroup:
-        """`size` ranks of `worker_cls` with a freshly loaded model and optimizer, configured by `cfg`."""
-        if (worker_cls, size) in self.groups:
-            group = self.groups[worker_cls, size][0]
+        """`size` ranks of `worker_cls` with a freshly loaded model and optimizer, configured by `cfg`
+        (its sequence-parallel size makes the groups at start: a group per (class, size, sp size))."""
+        key = (worker_cls, size, getattr(cfg, worker_cls.role).sequence_parallel_size)
+        if key in self.groups:
+            self.groups[key] = self.groups.pop(key)  # the most recently used last
+            group = self.groups[key][0]
             ray.get([actor.__ray_call__.remote(_reconfigure, cfg) for actor in group.actors])
             return group
+        while self.groups and sum(g.num_workers for g, _ in self.groups.values()) + size > self.capacity:
+            group, pg = self.groups.pop(next(iter(self.groups)))
+            group.kill()
+            ray.util.remove_placement_group(pg)
         pg = create_placement_group(size)
         group = ActorGroup(worker_cls, cfg, self.model_path, size, pg)
-        self.groups[worker_cls, size] = group, pg
+        self.groups[key] = group, pg
         return group
 
     def close(self) -> None:
@@ -188,11 +200,18 @@ def train_two_steps(
     lora = LoRAConfig(rank=layout.lora_rank, alpha=2.0 * layout.lora_rank)
     cfg = TrainerConfig(
         policy=PolicyConfig(
-            model=ModelConfig(gradient_checkpointing=layout.gradient_checkpointing),
+            model=ModelConfig(
+                gradient_checkpointing=layout.gradient_checkpointing, attn_implementation=layout.attn
+            ),
             optimizer=OptimizerConfig(lr=1e-3, max_grad_norm=1.0),
             lora=lora,
+            sequence_parallel_size=layout.sp_size,
         ),
-        critic=CriticConfig(lora=lora),
+        critic=CriticConfig(
+            model=ModelConfig(path=None, attn_implementation=layout.attn),
+            lora=lora,
+            sequence_parallel_size=layout.sp_size,
+        ),
         micro_train_batch_size_per_gpu=layout.micro_batch_size,
         micro_forward_batch_size_per_gpu=layout.micro_batch_size,
         max_tokens_per_micro_batch=layout.max_tokens,
@@ -205,8 +224,9 @@ def train_two_steps(
     own_pool = pool is None
     pool = pool or WorkerPool(model_path)
     try:
-        policy = pool.group(PolicyWorker, layout.dp_size, cfg)
-        critic = pool.group(CriticWorker, layout.dp_size, cfg) if estimator == "gae" else None
+        ranks = layout.dp_size * layout.sp_size
+        policy = pool.group(PolicyWorker, ranks, cfg)
+        critic = pool.group(CriticWorker, ranks, cfg) if estimator == "gae" else None
         before = flat(policy.full_state_dict())
         batch["old_logprobs"] = policy.forward(policy.stage(batch, bounds, *split))["logprobs"]
         noise = torch.randn(batch["old_logprobs"].shape, generator=torch.Generator().manual_seed(0))
@@ -231,8 +251,15 @@ def train_two_steps(
     finally:
         if own_pool:
             pool.close()
+    forward = torch.cat([batch["old_logprobs"], batch["old_values"]], 1)
     return RunResult(
-        history, [m["loss"] for m in history], [m["grad_norm"] for m in history], grads, update, len(bounds)
+        history,
+        [m["loss"] for m in history],
+        [m["grad_norm"] for m in history],
+        grads,
+        update,
+        len(bounds),
+        forward,
     )
 
 
@@ -248,6 +275,7 @@ def relative_differences(a: RunResult, b: RunResult) -> dict[str, float]:
         "grad_norm": max(rel_scalar(x, y) for x, y in zip(a.grad_norms, b.grad_norms, strict=True)),
         "gradient": max(rel(x.double(), y.double()) for x, y in zip(a.gradients, b.gradients, strict=True)),
         "param_update": rel(a.update, b.update),
+        "forward": rel(a.forward.double(), b.forward.double()),
     }
     for key in [*METRICS, *CRITIC_METRICS]:
         if key in a.metrics[0]:
@@ -289,6 +317,17 @@ COMPARISONS = [
     ("rloo, prefix-shared, DP=2", "rloo", "token_mean", SHARED_DP2),
     ("reinforce++, prefix-shared, DP=2", "reinforce++", "token_mean", SHARED_DP2),
     ("gae + critic, prefix-shared, DP=2", "gae", "token_mean", SHARED_DP2),
+    # Ulysses sequence parallelism (last: the pool makes room for its groups by closing the ones above)
+    ("SP=2", "grpo", "token_mean", Layout(sp_size=2)),
+    ("SP=2, gradient checkpointing", "grpo", "token_mean", Layout(sp_size=2, gradient_checkpointing=True)),
+    (
+        "SP=2, prefix-shared, budget 24, packed (varlen)",
+        "grpo",
+        "token_mean",
+        Layout(sp_size=2, share_prefixes=True, max_tokens=24, attn="varlen"),
+    ),
+    ("gae + critic, SP=2, prefix-shared", "gae", "token_mean", Layout(sp_size=2, share_prefixes=True)),
+    ("DP=2 x SP=2, prefix-shared, budget 24", "grpo", "token_mean", replace(SHARED_DP2, sp_size=2)),
 ]
 
 
@@ -302,8 +341,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     plain_layout = Layout(lora_rank=args.lora)
-    # the pool's groups: the policy and the critic on 1 and on 2 ranks, a CPU each
-    ray.init(num_cpus=6, include_dashboard=False, logging_level="warning")
+    # the pool's groups (the policy and the critic on 1, 2 and 4 ranks), a CPU a rank, 8 at a time
+    ray.init(num_cpus=8, include_dashboard=False, logging_level="warning")
     worst = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         if args.model is None:

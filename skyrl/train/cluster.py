@@ -137,15 +137,15 @@ class Cluster:
             self._placement_groups.append(pg)
             return pg
 
-        self._shared_pg = bundles(placement.dp_size("policy")) if self.colocated else None
+        self._shared_pg = bundles(placement.ranks("policy")) if self.colocated else None
         roles = ["policy"] + ["ref"] * self.roles.ref + ["critic"] * self.roles.critic
         # worker group -> (its ranks, their placement group); colocated, every group has the policy's ranks
-        sizes = {role: placement.dp_size(role) for role in roles} | {
+        sizes = {role: placement.ranks(role) for role in roles} | {
             f"reward:{name}": source.num_nodes * source.num_gpus_per_node
             for name, source in self.reward_models.items()
         }
         self._worker_pgs = {
-            key: (placement.dp_size("policy"), self._shared_pg) if self.colocated else (size, bundles(size))
+            key: (placement.ranks("policy"), self._shared_pg) if self.colocated else (size, bundles(size))
             for key, size in sizes.items()
         }
 
@@ -169,7 +169,7 @@ class Cluster:
         return strategies, self.engine_resources
 
     def start_workers(self) -> WorkerGroups:
-        """The policy, ref and critic groups (`placement.dp_size(role)` ranks each) and the reward models'
+        """The policy, ref and critic groups (`placement.ranks(role)` ranks each) and the reward models'
         groups, started at once; this call returns when all are ready (or kills them all and raises)."""
         trainer = self.cfg.trainer
 

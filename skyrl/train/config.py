@@ -167,10 +167,10 @@ def batch_sizes(cfg: SkyRLConfig) -> BatchSizes:
         micro_train_batch_size_per_gpu=trainer.micro_train_batch_size_per_gpu,
         micro_forward_batch_size_per_gpu=trainer.micro_forward_batch_size_per_gpu,
         n_samples_per_prompt=cfg.generator.n_samples_per_prompt,
-        policy_dp_size=placement.dp_size("policy"),
+        policy_dp_size=placement.ranks("policy") // trainer.policy.sequence_parallel_size,
         step_wise=cfg.generator.step_wise,
         critic_mini_batch_size=trainer.critic_mini_batch_size if critic else None,
-        critic_dp_size=placement.dp_size("critic"),
+        critic_dp_size=placement.ranks("critic") // trainer.critic.sequence_parallel_size,
     )
 
 
@@ -271,6 +271,8 @@ def _check_models(trainer: TrainerConfig) -> None:
             f"trainer.{role}.model.attn_implementation={implementation!r} is not one of "
             f"{list(ATTN_IMPLEMENTATIONS)}; sdpa works everywhere, varlen packs sequences without padding.",
         )
+    for role in ROLES:
+        _check_sequence_parallel(trainer, role)
     for key, opt in [
         ("trainer.policy.optimizer", trainer.policy.optimizer),
         ("trainer.critic.optimizer", trainer.critic.optimizer),
@@ -280,6 +282,47 @@ def _check_models(trainer: TrainerConfig) -> None:
             opt.scheduler in ("constant", "cosine"),
             f"{key}.scheduler={opt.scheduler!r} is not 'constant' or 'cosine'.",
         )
+
+
+def _check_sequence_parallel(trainer: TrainerConfig, role: str) -> None:
+    """`trainer.<role>.sequence_parallel_size` divides the role's ranks, with an attention it can wrap."""
+    section, key = getattr(trainer, role), f"trainer.{role}.sequence_parallel_size"
+    sp, ranks = section.sequence_parallel_size, trainer.placement.ranks(role)
+    _require(
+        isinstance(sp, int) and not isinstance(sp, bool) and sp >= 1,
+        f"{key}={sp!r} must be a positive integer (1: no sequence parallelism), e.g. {key}=1.",
+    )
+    if sp == 1:
+        return
+    owner = "policy" if trainer.placement.colocate_all else role
+    _require(
+        ranks % sp == 0,
+        f"{key}={sp} does not divide the {ranks} {role} ranks (trainer.placement.{owner}_num_nodes x "
+        f"{owner}_num_gpus_per_node); use one of {_divisors(ranks)}, or more ranks.",
+    )
+    implementation = section.model.attn_implementation
+    _require(
+        implementation in ("sdpa", "varlen"),
+        f"{key}={sp} computes attention as sdpa or varlen over the whole sequence, but "
+        f"trainer.{role}.model.attn_implementation={implementation!r}; use sdpa or varlen.",
+    )
+    _require(
+        not section.model.compile,
+        f"{key}={sp} with trainer.{role}.model.compile=true: compiled decoder layers cannot hold sequence "
+        f"parallelism's all-to-all; set trainer.{role}.model.compile=false, or {key}=1.",
+    )
+
+
+def check_sequence_parallel_heads(trainer: TrainerConfig, role: str, model_config: Any) -> None:
+    """`trainer.<role>.sequence_parallel_size` divides the attention heads of the role's model
+    (`model_config`, its Hugging Face config); key/value heads it does not divide are repeated."""
+    sp, heads = getattr(trainer, role).sequence_parallel_size, model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    _require(
+        heads % sp == 0,
+        f"trainer.{role}.sequence_parallel_size={sp} does not divide the model's {heads} attention heads "
+        f"({kv_heads} key/value heads): each rank attends with heads / sp of them; use one of {_divisors(heads)}.",
+    )
 
 
 def _check_algorithm(algorithm: AlgorithmConfig) -> None:
@@ -447,7 +490,7 @@ def _check_across_sections(cfg: SkyRLConfig) -> None:
     )
     validate_batch_sizes(batch_sizes(cfg))
     if placement.colocate_all:
-        bundles = placement.dp_size("policy")
+        bundles = placement.ranks("policy")
         _require(
             engine.tensor_parallel_size == 1,
             f"generator.inference_engine.tensor_parallel_size={engine.tensor_parallel_size} with "
@@ -481,12 +524,25 @@ def _check_across_sections(cfg: SkyRLConfig) -> None:
     )
 
 
-def preflight(cfg: SkyRLConfig, resources: Mapping[str, float], num_allowed_tokens: int = 0) -> None:
-    """The rules that need the Ray cluster's `resources` (`ray.cluster_resources()`), checked before any
-    placement group or process starts: the layout fits the GPUs, NCCL broadcast gets GPUs of its own,
-    flash-attention has a GPU and its package, the engines take the environment's `num_allowed_tokens`."""
-    from skyrl.train.cluster import Roles
+def preflight(
+    cfg: SkyRLConfig, resources: Mapping[str, float], num_allowed_tokens: int = 0, model_config: Any = None
+) -> None:
+    """The rules that need the Ray cluster's `resources` (`ray.cluster_resources()`) or the models' configs
+    (`model_config`: the policy's), checked before any placement group or process starts: the layout fits
+    the GPUs, NCCL broadcast gets GPUs of its own, flash-attention has a GPU and its package, the engines
+    take the environment's `num_allowed_tokens`, sequence parallelism divides the attention heads."""
+    from transformers import AutoConfig
+
+    from skyrl.train.cluster import Roles, resolve_model_path
     from skyrl.train.inference.client import resolve_engine_config
+
+    for role in ROLES:  # the reference and critic load the policy's model unless they name their own
+        if getattr(cfg.trainer, role).sequence_parallel_size == 1:
+            continue
+        path = None if role == "policy" else getattr(cfg.trainer, role).model.path
+        own = AutoConfig.from_pretrained(resolve_model_path(path)) if path else model_config
+        if own is not None:
+            check_sequence_parallel_heads(cfg.trainer, role, own)
 
     gpus = int(resources.get("GPU", 0))
     key = f"environment.config.{cfg.environment.env_class}.allowed_tokens"
@@ -521,9 +577,7 @@ def check_gpu_budget(cfg: SkyRLConfig, use_ref: bool, use_critic: bool, cluster_
 
     placement, engine = cfg.trainer.placement, cfg.generator.inference_engine
     roles = ["policy"] + (["ref"] * use_ref + ["critic"] * use_critic if not placement.colocate_all else [])
-    needs = {
-        f"{role} ({role}_num_nodes x {role}_num_gpus_per_node)": placement.dp_size(role) for role in roles
-    }
+    needs = {f"{role} ({role}_num_nodes x {role}_num_gpus_per_node)": placement.ranks(role) for role in roles}
     if not placement.colocate_all:
         needs["engines (num_engines x tensor_parallel_size)"] = (
             engine.num_engines * engine.tensor_parallel_size

@@ -82,6 +82,8 @@ class PolicyConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     bf16: bool = True  # GPU only, every worker (policy, ref, critic); CPU trains in fp32
     cpu_offload: bool = False  # GPU only
+    # Ulysses sequence parallelism: this many ranks compute each sequence together (see workers/sequence_parallel.py)
+    sequence_parallel_size: int = 1
 
 
 @dataclass
@@ -90,6 +92,8 @@ class RefConfig:
         default_factory=lambda: ModelConfig(path=None)
     )  # null: the policy's initial weights
     cpu_offload: bool = False  # GPU only
+    # Ulysses sequence parallelism: this many ranks compute each sequence together (see workers/sequence_parallel.py)
+    sequence_parallel_size: int = 1
 
 
 @dataclass
@@ -100,6 +104,8 @@ class CriticConfig:
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=5e-6))
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # the value head always trains in full
     cpu_offload: bool = False  # GPU only
+    # Ulysses sequence parallelism: this many ranks compute each sequence together (see workers/sequence_parallel.py)
+    sequence_parallel_size: int = 1
 
 
 ROLES = ("policy", "ref", "critic")
@@ -119,9 +125,10 @@ class PlacementConfig:
     ref_num_gpus_per_node: int = 1
     cpus_per_worker: float = 1.0  # also each worker's torch CPU threads (at least 1)
 
-    def dp_size(self, role: str) -> int:
-        """Data-parallel ranks of `role` (one of `ROLES`): colocated, every model has one rank per
-        policy bundle; otherwise `<role>_num_nodes * <role>_num_gpus_per_node`."""
+    def ranks(self, role: str) -> int:
+        """Worker ranks of `role` (one of `ROLES`): colocated, every model has one rank per policy bundle;
+        otherwise `<role>_num_nodes * <role>_num_gpus_per_node`. Its data-parallel size is that over its
+        `sequence_parallel_size`."""
         assert role in ROLES, f"role {role!r} is not one of {ROLES}"
         owner = "policy" if self.colocate_all else role
         return getattr(self, f"{owner}_num_nodes") * getattr(self, f"{owner}_num_gpus_per_node")

@@ -72,7 +72,7 @@ class StepBatch:
     def stage(self, group: ActorGroup, mini_batch_size: int) -> list[StagedMiniBatch]:
         """The forward fields staged for `group`, once per (DP size, boundaries)."""
         bounds = self.bounds(mini_batch_size)
-        key = (group.num_workers, tuple(bounds))
+        key = (group.dp_size, tuple(bounds))
         if key not in self._staged:
             trainer = self.cfg.trainer
             self._staged[key] = group.stage(

@@ -75,11 +75,12 @@ class Trainer:
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         # balance_dp balances by attention-aware workload, with the policy model's width
-        self.cost_weight = attention_cost_weight(AutoConfig.from_pretrained(model_path).hidden_size)
+        model_config = AutoConfig.from_pretrained(model_path)
+        self.cost_weight = attention_cost_weight(model_config.hidden_size)
         allowed = allowed_token_ids(self.tokenizer, cfg.environment)
         factories = factories or Factories()
         resources = factories.resources()
-        preflight(cfg, resources, len(allowed))
+        preflight(cfg, resources, len(allowed), model_config)
         # logprobs of the distribution the engines sample from (greedy sampling: the plain softmax)
         sampled_from = {"temperature": generator.sampling.temperature or 1.0, "allowed_token_ids": allowed}
         reward_models = {name: s for name, s in source_configs(cfg.reward).items() if s.type == "model"}
@@ -191,7 +192,7 @@ class Trainer:
             **train_metrics,
             **{f"timing/{k}_s": v for k, v in timings.items()},
             "perf/tokens_per_s": float(step.rows["attention_mask"].sum()) / sum(timings.values()),
-            **step.metrics(self.policy.num_workers),
+            **step.metrics(self.policy.dp_size),
             "engine/restarts": float(self.client.restarts),
             "sync/bytes_per_engine": float(self.weight_sync.bytes_per_engine),
             "trainer/worker_restarts": float(self.recovery.restarts),

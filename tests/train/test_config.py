@@ -113,6 +113,21 @@ def test_a_layout_that_needs_more_gpus_than_the_cluster_has_is_refused_naming_ea
         check_gpu_budget(judged, use_ref=False, use_critic=False, cluster_gpus=8)
 
 
+def test_preflight_refuses_a_sequence_parallel_size_that_does_not_divide_the_attention_heads():
+    from types import SimpleNamespace
+
+    sp3 = compose_config(
+        ["trainer.placement.policy_num_gpus_per_node=3", "trainer.policy.sequence_parallel_size=3"]
+    )
+    preflight(sp3, {"CPU": 8.0}, 0, SimpleNamespace(num_attention_heads=6, num_key_value_heads=2))
+    with pytest.raises(
+        ConfigError,
+        match=r"trainer.policy.sequence_parallel_size=3 does not divide the model's 4 attention heads "
+        r"\(2 key/value heads\).* use one of \[1, 2, 4\]",
+    ):
+        preflight(sp3, {"CPU": 8.0}, 0, SimpleNamespace(num_attention_heads=4, num_key_value_heads=2))
+
+
 def test_preflight_refuses_broadcast_between_colocated_gpu_ranks_and_flash_attention_without_its_gpu():
     broadcast = compose_config(["generator.inference_engine.weight_sync=broadcast"])
     preflight(broadcast, {"CPU": 8.0})  # gloo on CPU: the ranks may share a node

@@ -127,6 +127,27 @@ BAD_CONFIGS = [
     (["trainer.algorithm.mis_high=0.9"], r"need tis_cap > 0 and mis_low < 1 < mis_high"),
     (["trainer.logprob_chunk_tokens=0"], r"trainer.logprob_chunk_tokens=0 must be positive"),
     (
+        ["trainer.policy.sequence_parallel_size=2"],
+        r"trainer.policy.sequence_parallel_size=2 does not divide the 1 policy ranks "
+        r"\(trainer.placement.policy_num_nodes x policy_num_gpus_per_node\); use one of \[1\]",
+    ),
+    (
+        [
+            "trainer.placement.policy_num_gpus_per_node=2",
+            "trainer.policy.sequence_parallel_size=2",
+            "trainer.policy.model.attn_implementation=eager",
+        ],
+        r"sequence_parallel_size=2 computes attention as sdpa or varlen .*model.attn_implementation='eager'; use sdpa or varlen",
+    ),
+    (
+        [
+            "trainer.placement.policy_num_gpus_per_node=2",
+            "trainer.policy.sequence_parallel_size=2",
+            "trainer.policy.model.compile=true",
+        ],
+        r"sequence_parallel_size=2 with trainer.policy.model.compile=true",
+    ),
+    (
         ["trainer.critic.model.attn_implementation=flash"],
         r"trainer.critic.model.attn_implementation='flash' is not one of \['sdpa', 'eager', 'flash_attention_2', 'varlen'\]",
     ),

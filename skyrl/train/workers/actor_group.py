@@ -151,6 +151,8 @@ class ActorGroup:
         **worker_kwargs: Any,
     ):
         self.num_workers, self.timeout_s, self.role = num_workers, cfg.rpc_timeout_s, worker_cls.role
+        section = worker_kwargs.get("section") or getattr(cfg, worker_cls.role)
+        self.sp_size = section.sequence_parallel_size  # ranks per sequence-parallel group
         bundle = pg.bundle_specs[bundle_offset]
         remote_cls = ray.remote(worker_cls)
         self.actors = [
@@ -254,6 +256,11 @@ class ActorGroup:
 
         return results()
 
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: each sequence-parallel group of `sp_size` consecutive ranks is one."""
+        return self.num_workers // self.sp_size
+
     def stage(
         self,
         data: TrainingInputBatch,
@@ -264,22 +271,25 @@ class ActorGroup:
     ) -> list[StagedMiniBatch]:
         """`data`'s mini-batches in the object store, split for this group's ranks (`MeshDispatch`)."""
         return MeshDispatch.stage_chunks(
-            self.num_workers, data, mini_batch_boundaries, balance, delay_split, cost_weight
+            self.dp_size, data, mini_batch_boundaries, balance, delay_split, cost_weight
         )
 
     def _run_staged(self, method: str, staged: Sequence[StagedMiniBatch], **kwargs: Any) -> list[Any]:
         """`method` once on every rank over all of `staged` (each rank's refs of every mini-batch in
-        order, `fields` per mini-batch): one round trip per phase, not per mini-batch."""
+        order, `fields` per mini-batch; a sequence-parallel group's ranks get their data-parallel rank's):
+        one round trip per phase, not per mini-batch."""
         first = staged[0]
         extra = (
-            {"dp_size": self.num_workers, "balance": first.balance, "cost_weight": first.cost_weight}
+            {"dp_size": self.dp_size, "balance": first.balance, "cost_weight": first.cost_weight}
             if first.delayed
             else {}
         ) | kwargs
         return self._get(
             [
                 getattr(actor, method).remote(
-                    *[ref for mini in staged for ref in mini.refs(rank)], fields=len(first.parts), **extra
+                    *[ref for mini in staged for ref in mini.refs(rank // self.sp_size)],
+                    fields=len(first.parts),
+                    **extra,
                 )
                 for rank, actor in enumerate(self.actors)
             ],
@@ -289,7 +299,8 @@ class ActorGroup:
     def forward(self, staged: Sequence[StagedMiniBatch], **kwargs: Any) -> TrainingInputBatch:
         """Per-row forward outputs (`logprobs` or `values`) of the staged rows, in order, pads removed;
         `kwargs` go to every rank's `forward` (e.g. `adapters=False`)."""
-        return MeshDispatch.gather(staged, self._run_staged("forward", staged, **kwargs))
+        outputs = self._run_staged("forward", staged, **kwargs)
+        return MeshDispatch.gather(staged, outputs[:: self.sp_size])  # a sequence-parallel group's are equal
 
     def train(self, staged: Sequence[StagedMiniBatch], **kwargs: Any) -> list[dict[str, float]]:
         """One optimizer step per staged mini-batch, in one call per rank; the metrics of each step (equal

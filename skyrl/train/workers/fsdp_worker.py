@@ -50,6 +50,7 @@ from skyrl.train.workers.lora import (
     adapters_disabled,
     add_adapters,
 )
+from skyrl.train.workers.sequence_parallel import register_ulysses, shard_layout, use_group
 
 if TYPE_CHECKING:  # the weight-sync helpers import Ray: a worker loads them only when it syncs
     from skyrl.train.inference.weight_sync import WeightSyncGroup
@@ -195,6 +196,31 @@ class FSDPWorker:
             world_size=self.world_size,
         )
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        # FSDP shards over every rank; sequence-parallel groups are consecutive ranks, and the ranks with
+        # the same place in theirs form a data-parallel group (every rank creates every group, in order)
+        self.sp_group = self.dp_group = None
+        if self.sp_size > 1:
+            for first in range(0, self.world_size, self.sp_size):
+                group = dist.new_group(list(range(first, first + self.sp_size)))
+                self.sp_group = group if first == self.rank - self.sp_rank else self.sp_group
+            for offset in range(self.sp_size):
+                group = dist.new_group(list(range(offset, self.world_size, self.sp_size)))
+                self.dp_group = group if offset == self.sp_rank else self.dp_group
+            use_group(self.sp_group)
+
+    @property
+    def sp_size(self) -> int:
+        """The ranks that compute each sequence together (`sequence_parallel_size` of this worker's section)."""
+        return self.section.sequence_parallel_size
+
+    @property
+    def sp_rank(self) -> int:
+        return self.rank % self.sp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel rank: the sequence-parallel group it belongs to."""
+        return self.rank // self.sp_size
 
     def _load_model(self, **kwargs: Any) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
@@ -207,7 +233,9 @@ class FSDPWorker:
         settings = self.section.model
         implementation = settings.attn_implementation
         self.packed = implementation in PACKED_ATTENTION  # varlen kernels: no padding at all
-        if implementation == "varlen":
+        if self.sp_size > 1:
+            implementation = register_ulysses(implementation)
+        elif implementation == "varlen":
             register_varlen()
             implementation = VARLEN_HF_NAME
         # loaded on the CPU: fully_shard moves each layer to the device as it shards it, so the GPU never
@@ -286,8 +314,8 @@ class FSDPWorker:
         micro-batches would leave the device idle while the host prepares the next."""
         layout = build_layout(
             mb["sequences"], mb["attention_mask"], mb["response_mask"], mb.get("prefix_group"), self.packed
-        )
-        return layout.to(self.device)
+        ).to(self.device)
+        return shard_layout(layout, self.sp_rank, self.sp_size, self.sp_group) if self.sp_size > 1 else layout
 
     def _logprobs(
         self, layout: TokenLayout, with_entropy: bool = True
@@ -375,7 +403,7 @@ class FSDPWorker:
     ) -> TrainingInputBatch:
         if dp_size is None:
             return data
-        return data.select_rows(partition_rows(data, dp_size, balance, cost_weight)[self.rank])
+        return data.select_rows(partition_rows(data, dp_size, balance, cost_weight)[self.dp_rank])
 
     def _trainable(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -437,8 +465,8 @@ class MetricTotals:
     micro-batches that have any. A mini-batch without loss tokens reports 0.
     """
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, group: dist.ProcessGroup | None = None):
+        self.device, self.group = device, group  # the data-parallel group (None: every rank)
         self.sums: dict[str, torch.Tensor] = {}
         self.extremes: dict[str, torch.Tensor] = {}  # max of x for *_max, of -x for *_min
 
@@ -461,15 +489,16 @@ class MetricTotals:
         self.sums[key] = self.sums.get(key, 0.0) + value
 
     def all_reduce(self) -> dict[str, float]:
-        """The mini-batch's metrics over every rank (collective: every rank must call it)."""
+        """The mini-batch's metrics over every data-parallel rank (collective: every rank of the group must
+        call it); the ranks of a sequence-parallel group hold the same metrics, counted once."""
         sums = torch.stack(list(self.sums.values())).to(self.device)
-        dist.all_reduce(sums)
+        dist.all_reduce(sums, group=self.group)
         totals = dict(zip(self.sums, sums.tolist(), strict=True))
         tokens = totals["loss_tokens"]
         result = {k: v if k in ("loss", "loss_tokens") else v / max(tokens, 1.0) for k, v in totals.items()}
         if self.extremes:
             extremes = torch.stack(list(self.extremes.values())).to(self.device)
-            dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)
             for key, value in zip(self.extremes, extremes.tolist(), strict=True):
                 result[key] = (value if key.endswith("_max") else -value) if math.isfinite(value) else 0.0
         return result
@@ -530,7 +559,7 @@ class TrainableWorker(FSDPWorker, abc.ABC):
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         counts = reduction_counts(data["loss_mask"]).to(self.device)
-        dist.all_reduce(counts)
+        dist.all_reduce(counts, group=self.dp_group)  # a sequence-parallel group holds the same rows
         loss_cfg = self.cfg.algorithm
         scale = loss_scale_for_reduction(
             data["loss_mask"], loss_cfg.loss_reduction, loss_cfg.max_seq_len, counts.cpu()
@@ -540,7 +569,7 @@ class TrainableWorker(FSDPWorker, abc.ABC):
             (self._layout(mb), mb.to(self.device))
             for _, mb in self._micro_batches(data, self.cfg.micro_train_batch_size_per_gpu)
         ]
-        totals = MetricTotals(self.device)
+        totals = MetricTotals(self.device, self.dp_group)
         for i, (layout, mb) in enumerate(micro_batches):
             if self.sharded:
                 self.root.set_requires_gradient_sync(i == len(micro_batches) - 1)

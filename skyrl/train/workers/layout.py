@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from skyrl.train.training_batch import longest_rows, row_groups
 from skyrl.train.utils.seqlen_balancing import get_seqlen_balanced_partitions
+from skyrl.train.workers.sequence_parallel import sum_over_group
 
 
 def unit_tokens(
@@ -96,7 +98,8 @@ class TokenLayout:
     `targets` [K] those tokens, `rows` / `cols` [K] where each sits in the rows' [n, R]
     layout. Packed layouts have B = 1 and positions restarting at each unit; their `cu_seqlens`
     [units + 1] (int32) are the units' boundaries and `max_length` the longest unit's tokens (None
-    when not packed), what variable-length attention kernels take.
+    when not packed), what variable-length attention kernels take. A sequence-parallel slice holds its
+    rank's tokens and needed positions only, and its `scatter` sums the slices of its `sp_group`.
     """
 
     input_ids: torch.Tensor
@@ -109,6 +112,7 @@ class TokenLayout:
     width: int
     cu_seqlens: torch.Tensor | None = None
     max_length: int | None = None
+    sp_group: Any = None  # a sequence-parallel slice's group (`sequence_parallel.shard_layout`), else None
 
     @property
     def num_tokens(self) -> int:
@@ -116,8 +120,8 @@ class TokenLayout:
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
         """Per-needed-token `values` [K] into the rows' [n, R] layout, 0 elsewhere (differentiable)."""
-        out = values.new_zeros(self.num_rows, self.width)
-        return out.index_put((self.rows, self.cols), values)
+        out = values.new_zeros(self.num_rows, self.width).index_put((self.rows, self.cols), values)
+        return out if self.sp_group is None else sum_over_group(out, self.sp_group)
 
     def attention_kwargs(self) -> dict:
         """What a Hugging Face model's forward passes down to its attention function for this layout."""

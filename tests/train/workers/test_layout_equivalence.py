@@ -41,6 +41,7 @@ def assert_equivalent(a, b):
     """Loss, gradients and every training metric (`METRICS`, the critic's too) agree."""
     diffs = relative_differences(a, b)
     assert diffs["loss"] < 1e-5 and diffs["grad_norm"] < 1e-5 and diffs["gradient"] < 1e-5, diffs
+    assert diffs["forward"] < 1e-5, diffs  # the logprobs (and values) of the forward before training
     assert (
         max(diffs[k] for k in diffs if k not in ("loss", "grad_norm", "gradient", "param_update")) < 1e-4
     ), diffs
