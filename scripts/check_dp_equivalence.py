@@ -151,15 +151,15 @@ class WorkerPool:
 
     def __init__(self, model_path: str, capacity: int = 8):
         self.model_path, self.capacity = model_path, capacity
-        self.groups: dict[tuple[type[FSDPWorker], int, int], tuple[ActorGroup, PlacementGroup]] = {}
+        self.groups: dict[tuple[type[FSDPWorker], int], tuple[ActorGroup, PlacementGroup]] = {}
 
     def group(self, worker_cls: type[FSDPWorker], size: int, cfg: TrainerConfig) -> ActorGroup:
-        """`size` ranks of `worker_cls` with a freshly loaded model and optimizer, configured by `cfg`
-        (its sequence-parallel size makes the groups at start: a group per (class, size, sp size))."""
-        key = (worker_cls, size, getattr(cfg, worker_cls.role).sequence_parallel_size)
+        """`size` ranks of `worker_cls` with a freshly loaded model and optimizer, configured by `cfg`."""
+        key = (worker_cls, size)
         if key in self.groups:
             self.groups[key] = self.groups.pop(key)  # the most recently used last
             group = self.groups[key][0]
+            group.sp_size = getattr(cfg, worker_cls.role).sequence_parallel_size
             ray.get([actor.__ray_call__.remote(_reconfigure, cfg) for actor in group.actors])
             return group
         while self.groups and sum(g.num_workers for g, _ in self.groups.values()) + size > self.capacity:

@@ -359,13 +359,19 @@ def test_a_local_cluster_goes_away_with_its_driver_after_sigkill():
     assert not alive()
 
 
-def test_a_failed_run_prints_one_paragraph_with_the_command_that_reruns_it(tmp_path):
+def test_a_failed_run_prints_one_paragraph_with_the_command_that_reruns_it(ray_cluster, tmp_path):
+    address = ray_cluster.get_runtime_context().gcs_address  # joined: Ray's own start is not the subject
     data = tmp_path / "prompts.jsonl"
     data.write_text(
         json.dumps({"prompt": "2 + 2?", "answer": "4"}) + "\n" + json.dumps({"answer": "5"}) + "\n"
     )
     run_dir = tmp_path / "run"
-    args = ["environment=math", f"data.train_path={data}", "ray.num_cpus=4", f"hydra.run.dir={run_dir}"]
+    args = [
+        "environment=math",
+        f"data.train_path={data}",
+        f"ray.address={address}",
+        f"hydra.run.dir={run_dir}",
+    ]
     result = subprocess.run(
         [sys.executable, "-m", "skyrl.train", *args], capture_output=True, text=True, timeout=300, check=False
     )

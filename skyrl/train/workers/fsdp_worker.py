@@ -169,6 +169,9 @@ class FSDPWorker:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.global_step = 0
+        # the sequence-parallel and data-parallel groups (None: every rank), made for `_groups_sp_size`
+        self.sp_group = self.dp_group = None
+        self._groups_sp_size = 1
 
     @property
     def section(self) -> PolicyConfig | RefConfig | CriticConfig:
@@ -196,9 +199,14 @@ class FSDPWorker:
             world_size=self.world_size,
         )
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
-        # FSDP shards over every rank; sequence-parallel groups are consecutive ranks, and the ranks with
-        # the same place in theirs form a data-parallel group (every rank creates every group, in order)
-        self.sp_group = self.dp_group = None
+
+    def _make_parallel_groups(self) -> None:
+        """FSDP shards over every rank; sequence-parallel groups are `sp_size` consecutive ranks, and the
+        ranks with the same place in theirs form a data-parallel group (collective: every rank creates
+        every group, in order). Made again when `sp_size` changed since (a reconfigured worker)."""
+        if self._groups_sp_size == self.sp_size:
+            return
+        self._groups_sp_size, self.sp_group, self.dp_group = self.sp_size, None, None
         if self.sp_size > 1:
             for first in range(0, self.world_size, self.sp_size):
                 group = dist.new_group(list(range(first, first + self.sp_size)))
@@ -228,8 +236,10 @@ class FSDPWorker:
         return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, **kwargs)
 
     def init_model(self) -> None:
-        """(Re)load the model from `model_path`, shard it, and build a fresh optimizer and schedule."""
+        """(Re)load the model from `model_path`, shard it, and build a fresh optimizer and schedule (and the
+        sequence-parallel groups, when `sp_size` changed)."""
         torch.manual_seed(self.cfg.seed)
+        self._make_parallel_groups()
         settings = self.section.model
         implementation = settings.attn_implementation
         self.packed = implementation in PACKED_ATTENTION  # varlen kernels: no padding at all
