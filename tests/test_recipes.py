@@ -103,6 +103,16 @@ def test_the_rlhf_recipe_is_classic_ppo_on_a_reward_model_alone(in_run_dir):
     check_gpu_budget(cfg, use_ref=True, use_critic=True, cluster_gpus=8)  # all colocated on the policy's 8
 
 
+def test_the_long_context_recipe_splits_each_sequence_over_4_ranks(in_run_dir):
+    from skyrl.train.config import batch_sizes
+
+    cfg = compose_config([], RECIPES, "long_context_qwen7b_sp4")
+    trainer = cfg.trainer
+    assert (trainer.policy.sequence_parallel_size, batch_sizes(cfg).policy_dp_size) == (4, 2)
+    assert trainer.max_tokens_per_micro_batch == cfg.generator.max_input_length == 32768  # an episode fits
+    check_gpu_budget(cfg, use_ref=False, use_critic=False, cluster_gpus=8)
+
+
 def test_two_nodes_is_the_one_node_recipe_on_twice_the_gpus(in_run_dir):
     _gsm8k_data(in_run_dir)
     one = compose_config([], RECIPES, "gsm8k_qwen0.5b_1node")
