@@ -13,6 +13,9 @@ loop over the per-step rows; the last line is `ratio new/old` ((ii) over (i)).
 `--lora RANK`: the uniform workload through the worker with full fine-tuning and with rank-RANK LoRA
 adapters on every projection: trainable parameters, optimizer-state bytes, step time and peak memory
 of each; the last line is `ratio lora/full` (step time).
+`--sp N`: one sequence of `--length` tokens through the worker on one rank and with Ulysses sequence
+parallelism over N ranks (each with `--threads` / N threads): peak memory per rank and seconds per step
+of each; the last line is `ratio spN/sp1` (peak memory of the largest rank).
 Throughput counts loss tokens (the response tokens trained on); memory is the peak resident
 memory a process gained during the timed steps (CPU) or the peak allocated (GPU).
 
@@ -160,31 +163,40 @@ def skyrl_steps(
     steps: int,
     threads: int,
     lora_rank: int = 0,
+    sp: int = 1,
 ) -> tuple[float, float, tuple[int, int]]:
-    """Seconds per optimizer step through ActorGroup.train (dispatch, object store, FSDP2 worker), the
-    worker's peak memory growth, and its trainable parameters and optimizer-state bytes."""
+    """Seconds per optimizer step through ActorGroup.train (dispatch, object store, FSDP2 worker) on one
+    rank, or on `sp` sequence-parallel ranks of `threads / sp` threads each; the largest peak memory growth
+    of a rank, and rank 0's trainable parameters and optimizer-state bytes."""
     cfg = TrainerConfig(
         policy=PolicyConfig(
-            optimizer=OptimizerConfig(lr=LR), lora=LoRAConfig(rank=lora_rank, alpha=2.0 * lora_rank)
+            optimizer=OptimizerConfig(lr=LR),
+            lora=LoRAConfig(rank=lora_rank, alpha=2.0 * lora_rank),
+            sequence_parallel_size=sp,
         ),
         micro_train_batch_size_per_gpu=micro,
         max_tokens_per_micro_batch=max_tokens,
-        placement=PlacementConfig(cpus_per_worker=threads),
+        placement=PlacementConfig(cpus_per_worker=max(1, threads // sp)),
     )
-    pg = create_placement_group(1, cpus_per_bundle=threads)
-    group = ActorGroup(PolicyWorker, cfg, model_path, 1, pg)
+    pg = create_placement_group(sp, cpus_per_bundle=max(1, threads // sp))
+    group = ActorGroup(PolicyWorker, cfg, model_path, sp, pg)
     uids = [f"p{i}" for i in range(len(batch))] if "uids" not in batch.metadata else batch.metadata["uids"]
     prompts = len(dict.fromkeys(uids))
     bounds = compute_prompt_mini_batch_boundaries(uids, prompts, prompts, True, 1)
     try:
         group.train(group.stage(batch, bounds))  # warm-up
-        probe = ray.get(group.actors[0].__ray_call__.remote(lambda _: peak_memory_probe()))
+        probes = ray.get([actor.__ray_call__.remote(lambda _: peak_memory_probe()) for actor in group.actors])
         start = time.perf_counter()
         for _ in range(steps):
             group.train(group.stage(batch, bounds))
         seconds = (time.perf_counter() - start) / steps
-        peak = ray.get(group.actors[0].__ray_call__.remote(lambda _, p: peak_memory_since(p), probe))
-        return seconds, peak, ray.get(group.actors[0].__ray_call__.remote(optimizer_footprint))
+        peaks = ray.get(
+            [
+                actor.__ray_call__.remote(lambda _, p: peak_memory_since(p), probe)
+                for actor, probe in zip(group.actors, probes, strict=True)
+            ]
+        )
+        return seconds, max(peaks), ray.get(group.actors[0].__ray_call__.remote(optimizer_footprint))
     finally:
         group.kill()
         ray.util.remove_placement_group(pg)
@@ -207,6 +219,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--lora", type=int, default=0, metavar="RANK", help="LoRA vs full fine-tuning")
+    parser.add_argument("--sp", type=int, default=0, metavar="N", help="sequence parallelism vs one rank")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ray.init(num_cpus=args.threads, include_dashboard=False, logging_level="warning")
@@ -223,6 +236,17 @@ def main() -> None:
             )
         )
         model = f"hidden {args.hidden} x {args.layers} layers, {args.threads} threads"
+        if args.sp:
+            batch = uniform_batch(1, args.length)
+            runs = {
+                size: skyrl_steps(path, batch, 1, None, args.steps, args.threads, sp=size)
+                for size in (1, args.sp)
+            }
+            print(f"one sequence of {args.length} tokens, {model}")
+            for size, (seconds, peak, _) in runs.items():
+                print(f"sp={size}: {seconds:.2f} s/step, peak memory per rank +{peak * mib:.0f} MiB")
+            print(f"ratio sp{args.sp}/sp1 {runs[args.sp][1] / runs[1][1]:.3f}")
+            return
         if args.lora:
             batch = uniform_batch(args.sequences, args.length)
             runs = {
