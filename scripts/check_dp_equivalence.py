@@ -328,6 +328,12 @@ COMPARISONS = [
     ),
     ("gae + critic, SP=2, prefix-shared", "gae", "token_mean", Layout(sp_size=2, share_prefixes=True)),
     ("DP=2 x SP=2, prefix-shared, budget 24", "grpo", "token_mean", replace(SHARED_DP2, sp_size=2)),
+    (
+        "DP=2 x SP=2, prefix-shared, budget 24, delayed",
+        "grpo",
+        "token_mean",
+        replace(SHARED_DP2, sp_size=2, delay_split=True),
+    ),
 ]
 
 
