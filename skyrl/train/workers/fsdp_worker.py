@@ -354,8 +354,8 @@ class FSDPWorker:
                 )
             return torch.cat([self._head_chunk(head, h, t, *settings) for h, t in parts])
 
-        out = self.root(layout, heads)
-        return layout.scatter(out[:, 0]), layout.scatter(out[:, 1]) if with_entropy else None
+        both = layout.scatter(self.root(layout, heads))  # one scatter (sequence parallel: one reduction)
+        return both[..., 0], both[..., 1] if with_entropy else None
 
     def _output(self, layout: TokenLayout) -> dict[str, torch.Tensor]:
         logprobs, _ = self._logprobs(layout, with_entropy=False)

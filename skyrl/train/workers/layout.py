@@ -119,8 +119,10 @@ class TokenLayout:
         return self.input_ids.numel()
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
-        """Per-needed-token `values` [K] into the rows' [n, R] layout, 0 elsewhere (differentiable)."""
-        out = values.new_zeros(self.num_rows, self.width).index_put((self.rows, self.cols), values)
+        """Per-needed-token `values` [K] (or [K, C]) into the rows' [n, R] (or [n, R, C]) layout, 0 elsewhere
+        (differentiable)."""
+        out = values.new_zeros(self.num_rows, self.width, *values.shape[1:])
+        out = out.index_put((self.rows, self.cols), values)
         return out if self.sp_group is None else sum_over_group(out, self.sp_group)
 
     def attention_kwargs(self) -> dict:
