@@ -159,8 +159,7 @@ class WorkerPool:
         if key in self.groups:
             self.groups[key] = self.groups.pop(key)  # the most recently used last
             group = self.groups[key][0]
-            group.sp_size = getattr(cfg, worker_cls.role).sequence_parallel_size
-            ray.get([actor.__ray_call__.remote(_reconfigure, cfg) for actor in group.actors])
+            group.reconfigure(cfg)
             return group
         while self.groups and sum(g.num_workers for g, _ in self.groups.values()) + size > self.capacity:
             group, pg = self.groups.pop(next(iter(self.groups)))
@@ -176,12 +175,6 @@ class WorkerPool:
             group.kill()
             ray.util.remove_placement_group(pg)
         self.groups.clear()
-
-
-def _reconfigure(worker: FSDPWorker, cfg: TrainerConfig) -> None:
-    """Inside a pooled actor (`__ray_call__`): start over with `cfg`, as a new actor would."""
-    worker.cfg = cfg
-    worker.init_model()
 
 
 def train_two_steps(

@@ -235,6 +235,14 @@ class ActorGroup:
             self._raise_if_dead(list(range(len(refs))), method, str(error).splitlines()[0])
             raise
 
+    def reconfigure(self, cfg: TrainerConfig, **worker_kwargs: Any) -> None:
+        """Every rank starts over with `cfg` (and `worker_kwargs`, e.g. a reward model's `section`) as a new
+        group's would: the model, optimizer and sequence-parallel groups made again in the same processes
+        (~0.03 s for the tiny model, against ~5 s for new processes on 2 cores)."""
+        section = worker_kwargs.get("section") or getattr(cfg, self.role)
+        self.sp_size, self.timeout_s = section.sequence_parallel_size, cfg.rpc_timeout_s
+        self.run("reconfigure", cfg, **worker_kwargs)
+
     def run(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call `method(*args, **kwargs)` on every rank and wait for all results."""
         return self._get([getattr(actor, method).remote(*args, **kwargs) for actor in self.actors], method)

@@ -230,6 +230,11 @@ class FSDPWorker:
         """This rank's data-parallel rank: the sequence-parallel group it belongs to."""
         return self.rank // self.sp_size
 
+    def reconfigure(self, cfg: TrainerConfig) -> None:
+        """Start over with `cfg` as a new actor would (`ActorGroup.reconfigure`)."""
+        self.cfg = cfg
+        self.init_model()
+
     def _load_model(self, **kwargs: Any) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
@@ -687,6 +692,11 @@ class RewardModelWorker(FSDPWorker):
     @property
     def section(self) -> RefConfig:
         return self._section
+
+    def reconfigure(self, cfg: TrainerConfig, section: RefConfig | None = None) -> None:
+        """Start over with `cfg` and the reward source's model settings `section` (default: the same)."""
+        self._section = section or self._section
+        super().reconfigure(cfg)
 
     def _load_model(self, **kwargs: Any) -> torch.nn.Module:
         from transformers import AutoModelForSequenceClassification
