@@ -15,7 +15,10 @@ adapters on every projection: trainable parameters, optimizer-state bytes, step 
 of each; the last line is `ratio lora/full` (step time).
 `--sp N`: one sequence of `--length` tokens through the worker on one rank and with Ulysses sequence
 parallelism over N ranks (each with `--threads` / N threads): peak memory per rank and seconds per step
-of each; the last line is `ratio spN/sp1` (peak memory of the largest rank).
+of each; the last line is `ratio spN/sp1` (peak memory of the largest rank). With `--memory-cap MIB`,
+first the longest sequence that trains at sp=1 and at sp=N within that cap, found by doubling from
+`--length` tokens: the cap bounds what a rank's memory grows by during a step (its activations), not
+the weights and optimizer state that every length holds alike.
 Throughput counts loss tokens (the response tokens trained on); memory is the peak resident
 memory a process gained during the timed steps (CPU) or the peak allocated (GPU).
 
@@ -202,6 +205,18 @@ def skyrl_steps(
         ray.util.remove_placement_group(pg)
 
 
+def longest_within(model_path: str, cap: float, length: int, threads: int, sp: int) -> int:
+    """The longest sequence, doubling from `length` tokens, whose training step grows the largest of `sp`
+    ranks' peak memory by at most `cap` bytes (0: not even `length`)."""
+    longest = 0
+    while True:
+        _, peak, _ = skyrl_steps(model_path, uniform_batch(1, length), 1, None, 1, threads, sp=sp)
+        print(f"sp={sp}: {length} tokens, peak memory per rank +{peak / 2**20:.0f} MiB", flush=True)
+        if peak > cap:
+            return longest
+        longest, length = length, 2 * length
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -220,6 +235,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--lora", type=int, default=0, metavar="RANK", help="LoRA vs full fine-tuning")
     parser.add_argument("--sp", type=int, default=0, metavar="N", help="sequence parallelism vs one rank")
+    parser.add_argument(
+        "--memory-cap", type=float, default=0, metavar="MIB", help="--sp: the longest sequence within MIB"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ray.init(num_cpus=args.threads, include_dashboard=False, logging_level="warning")
@@ -237,6 +255,15 @@ def main() -> None:
         )
         model = f"hidden {args.hidden} x {args.layers} layers, {args.threads} threads"
         if args.sp:
+            if args.memory_cap:
+                longest = {
+                    size: longest_within(path, args.memory_cap / mib, args.length, args.threads, size)
+                    for size in (1, args.sp)
+                }
+                print(
+                    f"longest sequence within +{args.memory_cap:.0f} MiB per rank ({model}): "
+                    + ", ".join(f"sp={size} {tokens:,} tokens" for size, tokens in longest.items())
+                )
             batch = uniform_batch(1, args.length)
             runs = {
                 size: skyrl_steps(path, batch, 1, None, args.steps, args.threads, sp=size)

@@ -199,7 +199,10 @@ class Cluster:
             self.roles.ref_from_policy,
             {
                 name: group(
-                    RewardModelWorker, s.model, f"reward:{name}", section=RefConfig(ModelConfig(s.model))
+                    RewardModelWorker,
+                    s.model,
+                    f"reward:{name}",
+                    section=RefConfig(ModelConfig(s.model), sequence_parallel_size=s.sequence_parallel_size),
                 )
                 for name, s in self.reward_models.items()
             },

@@ -25,6 +25,7 @@ from skyrl.train.schema import (
     ROLES,
     AlgorithmConfig,
     GeneratorConfig,
+    ModelConfig,
     SkyRLConfig,
     TrainerConfig,
 )
@@ -185,6 +186,7 @@ def validate_config(cfg: SkyRLConfig) -> None:
     _check_generator(cfg.generator)
     _check_data_and_environment(cfg)
     validate_rewards(cfg.reward)
+    _check_reward_models(cfg)
     _check_lora(cfg)
     _check_across_sections(cfg)
 
@@ -272,7 +274,15 @@ def _check_models(trainer: TrainerConfig) -> None:
             f"{list(ATTN_IMPLEMENTATIONS)}; sdpa works everywhere, varlen packs sequences without padding.",
         )
     for role in ROLES:
-        _check_sequence_parallel(trainer, role)
+        section, owner = getattr(trainer, role), "policy" if trainer.placement.colocate_all else role
+        _check_sequence_parallel(
+            f"trainer.{role}",
+            section.sequence_parallel_size,
+            f"{role} ranks",
+            trainer.placement.ranks(role),
+            f"trainer.placement.{owner}_num_nodes x {owner}_num_gpus_per_node",
+            section.model,
+        )
     for key, opt in [
         ("trainer.policy.optimizer", trainer.policy.optimizer),
         ("trainer.critic.optimizer", trainer.critic.optimizer),
@@ -284,44 +294,68 @@ def _check_models(trainer: TrainerConfig) -> None:
         )
 
 
-def _check_sequence_parallel(trainer: TrainerConfig, role: str) -> None:
-    """`trainer.<role>.sequence_parallel_size` divides the role's ranks, with an attention it can wrap."""
-    section, key = getattr(trainer, role), f"trainer.{role}.sequence_parallel_size"
-    sp, ranks = section.sequence_parallel_size, trainer.placement.ranks(role)
+def _check_sequence_parallel(
+    section: str, sp: Any, ranks_name: str, ranks: int, ranks_key: str, model: ModelConfig | None
+) -> None:
+    """`<section>.sequence_parallel_size` (`sp`) divides the `ranks` (set by `ranks_key`) of the worker
+    group that `section` configures, with an attention it can wrap (`model`: `<section>.model`'s settings;
+    None: the default sdpa)."""
+    key = f"{section}.sequence_parallel_size"
     _require(
         isinstance(sp, int) and not isinstance(sp, bool) and sp >= 1,
         f"{key}={sp!r} must be a positive integer (1: no sequence parallelism), e.g. {key}=1.",
     )
     if sp == 1:
         return
-    owner = "policy" if trainer.placement.colocate_all else role
     _require(
         ranks % sp == 0,
-        f"{key}={sp} does not divide the {ranks} {role} ranks (trainer.placement.{owner}_num_nodes x "
-        f"{owner}_num_gpus_per_node); use one of {_divisors(ranks)}, or more ranks.",
+        f"{key}={sp} does not divide the {ranks} {ranks_name} ({ranks_key}); use one of {_divisors(ranks)}, "
+        "or more ranks.",
     )
-    implementation = section.model.attn_implementation
+    if model is None:
+        return
+    implementation = model.attn_implementation
     _require(
         implementation in ("sdpa", "varlen"),
         f"{key}={sp} computes attention as sdpa or varlen over the whole sequence, but "
-        f"trainer.{role}.model.attn_implementation={implementation!r}; use sdpa or varlen.",
+        f"{section}.model.attn_implementation={implementation!r}; use sdpa or varlen.",
     )
     _require(
-        not section.model.compile,
-        f"{key}={sp} with trainer.{role}.model.compile=true: compiled decoder layers cannot hold sequence "
-        f"parallelism's all-to-all; set trainer.{role}.model.compile=false, or {key}=1.",
+        not model.compile,
+        f"{key}={sp} with {section}.model.compile=true: compiled decoder layers cannot hold sequence "
+        f"parallelism's all-to-all; set {section}.model.compile=false, or {key}=1.",
     )
 
 
-def check_sequence_parallel_heads(trainer: TrainerConfig, role: str, model_config: Any) -> None:
-    """`trainer.<role>.sequence_parallel_size` divides the attention heads of the role's model
-    (`model_config`, its Hugging Face config); key/value heads it does not divide are repeated."""
-    sp, heads = getattr(trainer, role).sequence_parallel_size, model_config.num_attention_heads
+def _check_reward_models(cfg: SkyRLConfig) -> None:
+    """Each reward model's `sequence_parallel_size` divides its ranks: colocated, the policy's; otherwise
+    its own `num_nodes` x `num_gpus_per_node`."""
+    from skyrl.train.rewards import source_configs
+
+    placement = cfg.trainer.placement
+    for name, source in source_configs(cfg.reward).items():
+        if source.type != "model":
+            continue
+        section = f"reward.sources.{name}"
+        ranks, ranks_key = (
+            (placement.ranks("policy"), "trainer.placement.policy_num_nodes x policy_num_gpus_per_node")
+            if placement.colocate_all
+            else (source.num_nodes * source.num_gpus_per_node, f"{section}.num_nodes x num_gpus_per_node")
+        )
+        _check_sequence_parallel(
+            section, source.sequence_parallel_size, f"reward model {name} ranks", ranks, ranks_key, None
+        )
+
+
+def check_sequence_parallel_heads(key: str, sp: int, model_config: Any) -> None:
+    """`key` (a `sequence_parallel_size`, `sp`) divides the attention heads of its model (`model_config`,
+    its Hugging Face config); key/value heads it does not divide are repeated."""
+    heads = model_config.num_attention_heads
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
     _require(
         heads % sp == 0,
-        f"trainer.{role}.sequence_parallel_size={sp} does not divide the model's {heads} attention heads "
-        f"({kv_heads} key/value heads): each rank attends with heads / sp of them; use one of {_divisors(heads)}.",
+        f"{key}={sp} does not divide the model's {heads} attention heads ({kv_heads} key/value heads): each "
+        f"rank attends with heads / sp of them; use one of {_divisors(heads)}.",
     )
 
 
@@ -535,14 +569,23 @@ def preflight(
 
     from skyrl.train.cluster import Roles, resolve_model_path
     from skyrl.train.inference.client import resolve_engine_config
+    from skyrl.train.rewards import source_configs
 
-    for role in ROLES:  # the reference and critic load the policy's model unless they name their own
-        if getattr(cfg.trainer, role).sequence_parallel_size == 1:
-            continue
-        path = None if role == "policy" else getattr(cfg.trainer, role).model.path
-        own = AutoConfig.from_pretrained(resolve_model_path(path)) if path else model_config
-        if own is not None:
-            check_sequence_parallel_heads(cfg.trainer, role, own)
+    # the reference and critic load the policy's model unless they name their own
+    sections = [(f"trainer.{role}", getattr(cfg.trainer, role)) for role in ROLES]
+    parallel = [
+        (key, s.sequence_parallel_size, s.model.path if key != "trainer.policy" else None)
+        for key, s in sections
+    ]
+    parallel += [
+        (f"reward.sources.{name}", s.sequence_parallel_size, s.model)
+        for name, s in source_configs(cfg.reward).items()
+        if s.type == "model"
+    ]
+    for section, sp, path in parallel:
+        own = AutoConfig.from_pretrained(resolve_model_path(path)) if path and sp > 1 else model_config
+        if sp > 1 and own is not None:
+            check_sequence_parallel_heads(f"{section}.sequence_parallel_size", sp, own)
 
     gpus = int(resources.get("GPU", 0))
     key = f"environment.config.{cfg.environment.env_class}.allowed_tokens"

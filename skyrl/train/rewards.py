@@ -76,7 +76,7 @@ FIELDS = {
     | HTTP
     | {"model", "template", "score_pattern", "function", "temperature", "max_tokens", "concurrency"}
     | {"api_key_env", "engine"},
-    "model": SCORING | {"model", "num_nodes", "num_gpus_per_node"},
+    "model": SCORING | {"model", "num_nodes", "num_gpus_per_node", "sequence_parallel_size"},
 }
 
 

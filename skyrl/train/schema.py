@@ -419,7 +419,7 @@ class RewardSourceConfig:
     has one) is the score, or with `function` (`pkg.module:fn(answer) -> float | None`) what it parses. `model`: a scalar reward model (`AutoModelForSequenceClassification`, 1 label,
     e.g. a Bradley-Terry model) at the path or hub name `model`, in a forward-only FSDP2 worker group:
     colocated, on the policy's bundles (a share of each); otherwise on `num_nodes` x `num_gpus_per_node`
-    bundles of its own.
+    bundles of its own; `sequence_parallel_size` of its ranks compute each sequence together.
     HTTP calls are retried `max_retries` times on connection errors and 5xx; each call gets `timeout_s`.
     `weight`: its factor in the sum an episode trains on. A scorer scores the last turn of an episode in
     its full context, or every turn with `per_turn`; `normalize` standardises its scores by their running
@@ -444,6 +444,7 @@ class RewardSourceConfig:
     engine: dict[str, Any] | None = None
     num_nodes: int = 1
     num_gpus_per_node: int = 1
+    sequence_parallel_size: int = 1
 
 
 @dataclass

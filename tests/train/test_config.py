@@ -126,6 +126,17 @@ def test_preflight_refuses_a_sequence_parallel_size_that_does_not_divide_the_att
         r"\(2 key/value heads\).* use one of \[1, 2, 4\]",
     ):
         preflight(sp3, {"CPU": 8.0}, 0, SimpleNamespace(num_attention_heads=4, num_key_value_heads=2))
+    rm = compose_config(  # the tiny model, as the reward model, has 2 heads
+        [
+            "trainer.placement.policy_num_gpus_per_node=3",
+            "+reward.sources.rm={type: model, model: tiny, sequence_parallel_size: 3}",
+        ]
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"reward.sources.rm.sequence_parallel_size=3 does not divide the model's 2 attention heads",
+    ):
+        preflight(rm, {"CPU": 8.0}, 0, SimpleNamespace(num_attention_heads=6, num_key_value_heads=2))
 
 
 def test_preflight_refuses_broadcast_between_colocated_gpu_ranks_and_flash_attention_without_its_gpu():

@@ -75,6 +75,7 @@ def hf_scores(path, token_ids) -> list[float]:
 
 
 def test_a_reward_model_scores_the_tokens_as_generated_like_a_plain_forward(reward_model_path, groups):
+    """On one rank, two data-parallel ranks and two sequence-parallel ranks alike."""
     tokenizer = AutoTokenizer.from_pretrained(reward_model_path)
     scores, episodes = scored(reward_model_path, groups[1], tokenizer)
     last = [e.trajectory.turns[-1] for e in episodes]  # the last turn in its full context
@@ -83,6 +84,19 @@ def test_a_reward_model_scores_the_tokens_as_generated_like_a_plain_forward(rewa
     assert len(set(scores)) == len(scores), "the texts score differently"
     dp2, _ = scored(reward_model_path, groups[2], tokenizer)  # two ranks, micro-batches of <= 24 tokens
     assert dp2 == pytest.approx(scores, abs=1e-5)
+    # the same two ranks computing each sequence together (Ulysses sequence parallelism)
+    model = ModelConfig(path=str(reward_model_path))
+    budget = TrainerConfig(max_tokens_per_micro_batch=24)
+    groups[2].reconfigure(budget, section=RefConfig(model, sequence_parallel_size=2))
+    try:
+        assert ray.get([a.__ray_call__.remote(lambda worker: worker.sp_size) for a in groups[2].actors]) == [
+            2,
+            2,
+        ]
+        sp2, _ = scored(reward_model_path, groups[2], tokenizer)
+    finally:
+        groups[2].reconfigure(budget, section=RefConfig(model))
+    assert sp2 == pytest.approx(scores, abs=1e-5)
 
 
 def test_a_policy_with_another_tokenizer_is_scored_on_the_text_rendered_again(

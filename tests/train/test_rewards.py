@@ -383,6 +383,11 @@ def test_a_judge_on_engines_of_its_own_gives_the_same_verdicts(ray_cluster, toke
             ["+reward.sources.env.model=m"],
             r"reward.sources.env.model does not apply to reward.sources.env.type='env'",
         ),
+        (
+            ["+reward.sources.rm={type: model, model: m, sequence_parallel_size: 2}"],
+            r"reward.sources.rm.sequence_parallel_size=2 does not divide the 1 reward model rm ranks "
+            r"\(trainer.placement.policy_num_nodes x policy_num_gpus_per_node\); use one of \[1\]",
+        ),
     ],
     ids=[
         "no-scorer",
@@ -401,6 +406,7 @@ def test_a_judge_on_engines_of_its_own_gives_the_same_verdicts(ray_cluster, toke
         "judge-setting-on-function",
         "model-without-path",
         "judge-setting-on-env",
+        "model-sp-over-its-ranks",
     ],
 )
 def test_a_source_that_cannot_score_is_a_config_error_naming_the_key(overrides, message):

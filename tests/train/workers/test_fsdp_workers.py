@@ -2,11 +2,12 @@
 
 import math
 import time
+from dataclasses import replace
 
 import pytest
 import ray
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from scripts.check_dp_equivalence import NUM_PROMPTS, stepwise_batch
 from skyrl.train.checkpoints import Checkpoints, latest_checkpoint
@@ -69,10 +70,20 @@ def test_optimizer_steps_per_batch_are_prompt_mini_batches_times_epochs(policy_d
     assert len(batch) > NUM_PROMPTS * 2  # several turns per episode did not add steps
 
 
-def test_forward_logprobs_match_a_plain_hf_forward_of_each_unpadded_row(policy_dp2, tiny_model_path):
-    policy_dp2.run("init_model")
+def sequence_parallel(group: ActorGroup, cfg: TrainerConfig, role: str) -> TrainerConfig:
+    """`cfg` with the group's ranks computing each sequence together (`role`'s sequence_parallel_size)."""
+    return replace(cfg, **{role: replace(getattr(cfg, role), sequence_parallel_size=group.num_workers)})
+
+
+@pytest.mark.parametrize("layout", ["DP=2", "SP=2"])
+def test_forward_logprobs_match_a_plain_hf_forward_of_each_unpadded_row(policy_dp2, tiny_model_path, layout):
+    cfg = ray.get(policy_dp2.actors[0].__ray_call__.remote(lambda worker: worker.cfg))
+    policy_dp2.reconfigure(sequence_parallel(policy_dp2, cfg, "policy") if layout == "SP=2" else cfg)
     batch, bounds = stepwise_batch(512)
-    logprobs = policy_dp2.forward(policy_dp2.stage(batch, bounds, balance=True))["logprobs"]
+    try:
+        logprobs = policy_dp2.forward(policy_dp2.stage(batch, bounds, balance=True))["logprobs"]
+    finally:
+        policy_dp2.reconfigure(cfg)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     for i in (0, 3, len(batch) - 1):
         n = int(batch["response_mask"][i].sum())
@@ -265,7 +276,9 @@ def test_reference_worker_gives_the_policy_logprobs_at_init(ray_cluster, policy_
     )
 
 
-def test_critic_fits_returns_with_the_clipped_value_loss(ray_cluster, tiny_model_path):
+def test_critic_fits_returns_with_the_clipped_value_loss(ray_cluster, tiny_model_path, tmp_path):
+    """Its fresh values (DP=2, and SP=2 on the same ranks) equal a plain HF forward of each unpadded row;
+    then it learns."""
     cfg = TrainerConfig(
         critic=CriticConfig(optimizer=OptimizerConfig(lr=3e-3)),
         algorithm=AlgorithmConfig(value_clip=None),
@@ -276,6 +289,13 @@ def test_critic_fits_returns_with_the_clipped_value_loss(ray_cluster, tiny_model
     pg = create_placement_group(2)
     critic = ActorGroup(CriticWorker, cfg, str(tiny_model_path), 2, pg)
     try:
+        fresh = critic.forward(critic.stage(batch, bounds))["values"]
+        critic.run("save_hf_model", str(tmp_path / "critic"))
+        critic.reconfigure(sequence_parallel(critic, cfg, "critic"))  # the same seed: the same fresh head
+        torch.testing.assert_close(
+            critic.forward(critic.stage(batch, bounds))["values"], fresh, rtol=0, atol=1e-5
+        )
+        critic.reconfigure(cfg)
         losses = []
         for _ in range(6):
             batch["old_values"] = critic.forward(critic.stage(batch, bounds))["values"]
@@ -283,6 +303,15 @@ def test_critic_fits_returns_with_the_clipped_value_loss(ray_cluster, tiny_model
     finally:
         critic.kill()
         ray.util.remove_placement_group(pg)
+    plain = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic", dtype=torch.float32)
+    for i in (0, 3, len(batch) - 1):
+        tokens, n = (
+            batch["sequences"][i][batch["attention_mask"][i].bool()],
+            int(batch["response_mask"][i].sum()),
+        )
+        with torch.no_grad():  # V at each response token: the head at the position that predicts it
+            values = plain(tokens[None]).logits[0, -n - 1 : -1, 0]
+        torch.testing.assert_close(fresh[i, :n], values, rtol=1e-4, atol=1e-5)
     assert batch["old_values"].shape == batch["response_mask"].shape
     assert losses[0] > 0.1  # the fresh value head is far from the returns
     assert losses[-1] < 0.2 * losses[0], losses
