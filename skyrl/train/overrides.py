@@ -16,7 +16,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from skyrl.train.schema import SkyRLConfig
+from skyrl.train.schema import SkyRLConfig, field_docs
 from skyrl.train.utils.errors import ConfigError
 
 
@@ -44,6 +44,15 @@ def _is_dict(cls: Any, name: str) -> bool:
     return hint is dict or typing.get_origin(hint) is dict
 
 
+def describe(key: str) -> str:
+    """What schema key `key` (e.g. `trainer.policy.optimizer.lr`) sets: the first sentence of its field's
+    description in `skyrl/train/schema.py`."""
+    cls, *sections, name = [SkyRLConfig, *key.split(".")]
+    for part in sections:
+        cls = _dataclass_of(cls, part)
+    return field_docs(cls)[name].split(". ")[0].rstrip(".")
+
+
 def _check_key(key: str) -> None:
     cls, parts = SkyRLConfig, key.split(".")
     for i, part in enumerate(parts):
@@ -54,7 +63,11 @@ def _check_key(key: str) -> None:
             close = difflib.get_close_matches(key, full, n=1) or [
                 f"{parent}.{m}" if parent else m for m in difflib.get_close_matches(part, names, n=1)
             ]
-            hint = f"; did you mean {close[0]}?" if close else f"; {parent or 'the top level'} has {names}"
+            hint = (
+                f"; did you mean {close[0]} ({describe(close[0])})?"
+                if close
+                else f"; {parent or 'the top level'} has {names}"
+            )
             raise ConfigError(
                 f"unknown config key {key!r}{hint} (python -m skyrl.train --cfg job lists every key)"
             )
@@ -82,7 +95,9 @@ def _check_value(key: str, value: str) -> None:
         default = OmegaConf.select(base, key)
         example = f"e.g. {key}={default}" if default is not None else "see python -m skyrl.train --cfg job"
         reason = str(e).splitlines()[0]
-        raise ConfigError(f"{key}={value!r} does not fit the schema ({reason}); {example}") from None
+        raise ConfigError(
+            f"{key}={value!r} does not fit the schema ({reason}); {example} ({key}: {describe(key)})"
+        ) from None
 
 
 def check_overrides(args: list[str], config_dir: Path, *more_dirs: Path) -> None:

@@ -42,12 +42,13 @@ AGENT = "examples.openai_agent.agent:play"
 BAD_CONFIGS = [
     (
         ["trainer.train_batch_sise=8"],
-        r"unknown config key 'trainer.train_batch_sise'; did you mean trainer.train_batch_size\?",
+        r"unknown config key 'trainer.train_batch_sise'; did you mean trainer.train_batch_size \(Prompts per step\)\?",
     ),
     (["trainer.algorithm.lr=1"], r"unknown config key 'trainer.algorithm.lr'"),
     (
         ["trainer.train_batch_size=abc"],
-        r"trainer.train_batch_size='abc' does not fit the schema .*e.g. trainer.train_batch_size=16",
+        r"trainer.train_batch_size='abc' does not fit the schema .*e.g. trainer.train_batch_size=16 "
+        r"\(trainer.train_batch_size: Prompts per step\)",
     ),
     (["generator.step_wise=maybe"], r"generator.step_wise='maybe' does not fit the schema"),
     (["algorithm=dpo"], r"algorithm='dpo' is not a preset; choose one of \['grpo', 'ppo'"),
