@@ -12,6 +12,7 @@ from skyrl.train.generator.stream import episode_staleness
 from skyrl.train.sampler import load_datasets
 from skyrl.train.trainer import Trainer
 from skyrl.train.utils.tracking import read_metrics
+from tests.metrics_reference import assert_documented
 from tests.train.test_trainer import SMALL, assert_learns, learning
 
 ASYNC = [*SMALL, "placement=disaggregated"]
@@ -42,9 +43,11 @@ def run(overrides, run_dir, model_path, stop_after=None):
     if stop_after is not None:
         trainer.cfg.trainer.total_steps = stop_after
     try:
-        return trainer.fit(), trainer.recorded
+        history = trainer.fit()
     finally:
         trainer.shutdown()
+    assert_documented(history)
+    return history, trainer.recorded
 
 
 def prompts(episodes):

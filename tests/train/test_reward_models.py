@@ -17,6 +17,7 @@ from skyrl.train.schema import ModelConfig, RefConfig, RewardConfig, TrainerConf
 from skyrl.train.utils.tiny_model import create_tiny_model
 from skyrl.train.workers.actor_group import ActorGroup, create_placement_group
 from skyrl.train.workers.fsdp_worker import RewardModelWorker
+from tests.metrics_reference import assert_documented
 
 from .test_rewards import episode
 from .test_trainer import FAST, SMALL, build
@@ -142,6 +143,7 @@ def test_a_policy_trained_on_the_reward_model_alone_learns_to_please_it(
         history = trainer.fit()
     finally:
         trainer.shutdown()
+    assert_documented(history)
     scores = [m["reward/rm_mean"] for m in history]
     assert [m["reward/mean"] for m in history] == scores, "the env's reward counts 0"
     assert sum(scores[-2:]) / 2 > scores[0] + 2.0, scores

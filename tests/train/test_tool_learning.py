@@ -26,6 +26,7 @@ from skyrl.train.generator.agent import AgentResult, ClientInfo
 from skyrl.train.trainer import Trainer
 from skyrl.train.utils.tiny_model import CORPUS, DEFAULT_INITIALIZER_RANGE, build_tokenizer, create_tiny_model
 from skyrl.train.utils.tiny_tools_model import TOOL_TAGS, supervised_example, warm_start
+from tests.metrics_reference import assert_documented
 
 # A short chat template in the hermes format (vLLM's `hermes` parser reads its calls) that names the tools
 # in the system turn: Qwen2.5's tools section would make each sequence ~4x longer for a task that needs
@@ -177,6 +178,7 @@ def test_it_learns_to_call_the_tool_that_holds_the_answer(
         history = trainer.fit()
     finally:
         trainer.shutdown()
+    assert_documented(history)
     rewards = [round(m["reward/mean"], 3) for m in history]
     turns = [round(m["episode/turns"], 2) for m in history]
     print(f"{path} seed {learning_seed}: rewards {rewards}, turns {turns}")

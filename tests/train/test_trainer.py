@@ -29,9 +29,10 @@ from skyrl.train.ppo_update import skipped_in_a_row
 from skyrl.train.sampler import load_datasets, rewards_tie
 from skyrl.train.trainer import Trainer
 from skyrl.train.utils.errors import ConfigError
-from skyrl.train.utils.tracking import read_metrics
+from skyrl.train.utils.tracking import METRICS_FILE, read_metrics
 from skyrl.train.workers.actor_group import WorkerDiedError
 from skyrl.train.workers.persistence import CHECKPOINT_DONE
+from tests.metrics_reference import assert_documented
 
 ROOT = Path(__file__).resolve().parents[2]
 KV = "kv_cache_memory_bytes=67108864"
@@ -146,12 +147,15 @@ class SignalledMidStep(BeforeTraining):
 
 
 def run(overrides, run_dir, model_path, cls=Trainer):
-    """Train with `overrides`; the per-step metrics."""
+    """Train with `overrides`; the per-step metrics (every key of them in the metrics reference)."""
     trainer = build(compose_config(overrides), run_dir, model_path, cls)
     try:
-        return trainer.fit()
+        history = trainer.fit()
     finally:
         trainer.shutdown()
+    logged = read_metrics(run_dir) if (Path(run_dir) / METRICS_FILE).exists() else []
+    assert_documented([*history, *logged])
+    return history
 
 
 # over 60 s: the whole loop must learn, which takes tens of steps
