@@ -15,7 +15,7 @@ from dataclasses import MISSING, Field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from skyrl.envs.registry import registered_names
+from skyrl.envs.registry import registered_names, resolve
 from skyrl.train.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from skyrl.train.algorithms.losses import KL_ESTIMATORS, OFF_POLICY_CORRECTIONS, POLICY_LOSSES
 from skyrl.train.algorithms.reductions import REDUCTIONS
@@ -41,11 +41,24 @@ from skyrl.train.utils import tracking
 
 OUTPUT = Path(__file__).resolve().parents[1] / "docs" / "reference" / "config.md"
 REGISTERED = "; or `package.module:name`"
+
+
+def built_in(names: list[str], lookup: Callable[[str], Any]) -> list[str]:
+    """The registered `names` whose function or class ships with skyrl (users and tests register more)."""
+    return [name for name in names if lookup(name).__module__.startswith("skyrl.")]
+
+
 # (section class, field) -> the values the config checks accept, and what else they accept
 CHOICES: dict[tuple[type, str], Callable[[], tuple[list[str], str]]] = {
     (ModelConfig, "attn_implementation"): lambda: (list(ATTN_IMPLEMENTATIONS), ""),
-    (AlgorithmConfig, "advantage_estimator"): lambda: (ADVANTAGE_ESTIMATORS.names(), REGISTERED),
-    (AlgorithmConfig, "policy_loss"): lambda: (POLICY_LOSSES.names(), REGISTERED),
+    (AlgorithmConfig, "advantage_estimator"): lambda: (
+        built_in(ADVANTAGE_ESTIMATORS.names(), ADVANTAGE_ESTIMATORS.get),
+        REGISTERED,
+    ),
+    (AlgorithmConfig, "policy_loss"): lambda: (
+        built_in(POLICY_LOSSES.names(), POLICY_LOSSES.get),
+        REGISTERED,
+    ),
     (AlgorithmConfig, "loss_reduction"): lambda: (list(REDUCTIONS), ""),
     (AlgorithmConfig, "kl_estimator"): lambda: (list(KL_ESTIMATORS), ""),
     (AlgorithmConfig, "off_policy_correction"): lambda: (list(OFF_POLICY_CORRECTIONS), ""),
@@ -57,7 +70,10 @@ CHOICES: dict[tuple[type, str], Callable[[], tuple[list[str], str]]] = {
     (InferenceEngineConfig, "lora_sync"): lambda: (list(LORA_SYNCS), ""),
     (GeneratorConfig, "env_executor"): lambda: (list(ENV_EXECUTORS), ""),
     (GeneratorConfig, "env_failure"): lambda: (list(ENV_FAILURE_MODES), ""),
-    (EnvironmentConfig, "env_class"): lambda: (registered_names(), "; or `package.module:ClassName`"),
+    (EnvironmentConfig, "env_class"): lambda: (
+        built_in(registered_names(), resolve),
+        "; or `package.module:ClassName`",
+    ),
     (RewardSourceConfig, "type"): lambda: (list(REWARD_TYPES), ""),
 }
 # mapping-valued fields whose entries are sections of their own: reward.sources.<name>
