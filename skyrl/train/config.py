@@ -698,11 +698,15 @@ def register_schema() -> None:
 
 
 def compose_config(
-    overrides: list[str], config_dir: str | Path | None = None, config_name: str = "config"
+    overrides: list[str],
+    config_dir: str | Path | None = None,
+    config_name: str = "config",
+    validate: bool = True,
 ) -> SkyRLConfig:
     """The validated config for command-line style `overrides`, as `python -m skyrl.train` builds it;
     with `config_dir` (e.g. the repository's `configs/`) and `config_name` a recipe, as
-    `python -m skyrl.train --config-dir DIR --config-name NAME` builds it."""
+    `python -m skyrl.train --config-dir DIR --config-name NAME` builds it. `validate=False` skips
+    `validate_config` (e.g. to read a recipe whose data files are not on this machine)."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -715,5 +719,6 @@ def compose_config(
     search = [f"hydra.searchpath=['file://{CONFIG_DIR}']"] if recipes else []
     with initialize_config_dir(config_dir=str(recipes[0] if recipes else CONFIG_DIR), version_base=None):
         cfg: SkyRLConfig = OmegaConf.to_object(compose(config_name, overrides=[*search, *overrides]))
-    validate_config(cfg)
+    if validate:
+        validate_config(cfg)
     return cfg
