@@ -103,12 +103,13 @@ def test_async_data_path_reproduces_the_synchronous_run_while_the_weights_stand_
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), key
 
 
-@pytest.mark.parametrize(("staleness", "inflight"), [(1, False), (2, False), (1, True)])
+@pytest.mark.parametrize(("staleness", "inflight"), [(2, False), (1, True)])
 def test_the_generator_runs_ahead_within_the_staleness_bound(
     ray_cluster, tiny_model_path, tmp_path, staleness, inflight
 ):
     """Without in-flight updates a sync waits for the episodes in progress; with them it lands in
-    them, and the bound holds for each episode's oldest turn either way."""
+    them, and the bound holds for each episode's oldest turn either way (staleness 1 without in-flight
+    updates is the learning test's and the data-path test's)."""
     overrides = [
         *ASYNC,
         f"trainer.async_training.max_staleness={staleness}",

@@ -271,10 +271,9 @@ print(json.dumps({
 """
 
 
-@pytest.mark.parametrize("via", ["ray.address", "RAY_ADDRESS"])
-def test_start_ray_joins_the_running_cluster(ray_cluster, via: str):
-    """A separate driver given the session cluster's address (config key or env var) joins that cluster:
-    same GCS address, node and CPUs, and it reaches a named actor created here."""
+def test_start_ray_joins_the_running_cluster(ray_cluster):
+    """Separate drivers given the session cluster's address (the config key, the env var; both at once)
+    join that cluster: same GCS address, node and CPUs, and each reaches a named actor created here."""
     ray = ray_cluster
 
     class TokenHolder:
@@ -287,30 +286,36 @@ def test_start_ray_joins_the_running_cluster(ray_cluster, via: str):
     address = ray.get_runtime_context().gcs_address
     name, namespace, token = f"token-{uuid.uuid4().hex[:8]}", "skyrl-test-join", uuid.uuid4().hex
     holder = ray.remote(num_cpus=0)(TokenHolder).options(name=name, namespace=namespace).remote(token)
-    try:
-        assert ray.get(holder.token.remote()) == token
-        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-        overrides = [f"ray.address={address}"] if via == "ray.address" else []
-        if via == "RAY_ADDRESS":
-            env["RAY_ADDRESS"] = address
-        result = subprocess.run(
+    assert ray.get(holder.token.remote()) == token
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    drivers = {
+        via: subprocess.Popen(
             [sys.executable, "-c", JOIN_SCRIPT, name, namespace, *overrides],
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            env=env,
-            timeout=120,
-            check=False,
+            env=driver_env,
         )
-    finally:
-        ray.kill(holder)
-    assert result.returncode == 0, result.stderr[-3000:]
-    joined = json.loads(result.stdout.strip().splitlines()[-1])
-    assert joined == {
-        "gcs_address": address,
-        "node_id": ray.get_runtime_context().get_node_id(),
-        "cpus": ray.cluster_resources()["CPU"],
-        "token": token,
+        for via, overrides, driver_env in [
+            ("ray.address", [f"ray.address={address}"], env),
+            ("RAY_ADDRESS", [], {**env, "RAY_ADDRESS": address}),
+        ]
     }
+    try:
+        outputs = {via: driver.communicate(timeout=120) for via, driver in drivers.items()}
+    finally:
+        for driver in drivers.values():
+            driver.kill()
+        ray.kill(holder)
+    for via, (stdout, stderr) in outputs.items():
+        assert drivers[via].returncode == 0, f"{via}: {stderr[-3000:]}"
+        joined = json.loads(stdout.strip().splitlines()[-1])
+        assert joined == {
+            "gcs_address": address,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "cpus": ray.cluster_resources()["CPU"],
+            "token": token,
+        }, via
 
 
 # A driver that starts its own local cluster and an actor at work, then waits to be killed.
