@@ -263,6 +263,9 @@ class Cluster:
             unpin_driver(self._driver_cores)
 
 
+LOCAL_MODELS = ("tiny", "tiny-tools")  # the model paths `resolve_model_path` builds on this machine
+
+
 def resolve_model_path(path: str) -> str:
     """`tiny` -> the default tiny model's cache directory, `tiny-tools` -> the tiny model that calls tools
     (`utils.tiny_tools_model`), each built on first use; anything else unchanged."""

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from skyrl.train.inference.config import check_action_space
-from skyrl.train.overrides import check_config_name, check_overrides
+from skyrl.train.overrides import check_config_name, check_overrides, describe
 from skyrl.train.schema import (
     ATTN_IMPLEMENTATIONS,
     ENV_EXECUTORS,
@@ -151,6 +151,12 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _require_key(ok: bool, key: str, value: Any, rule: str, example: Any) -> None:
+    """`_require` for one key's own range: the message names the key, its value, the rule, a valid value
+    and what the key sets (its description in `schema.py`)."""
+    _require(ok, f"{key}={value} {rule}, e.g. {key}={example}. {key}: {describe(key)}.")
+
+
 def _known(key: str, value: str, resolve: Any) -> None:
     try:
         resolve(value)
@@ -202,18 +208,14 @@ def _check_trainer(trainer: TrainerConfig) -> None:
         ("trainer.placement.policy_num_nodes", placement.policy_num_nodes),
         ("trainer.placement.policy_num_gpus_per_node", placement.policy_num_gpus_per_node),
     ]:
-        _require(value > 0, f"{key}={value} must be positive, e.g. {key}=1.")
-    _require(
-        trainer.total_steps >= 0,
-        f"trainer.total_steps={trainer.total_steps} must be >= 0 (0 with trainer.eval_before_train=true only "
-        "evaluates), e.g. trainer.total_steps=100.",
-    )
+        _require_key(value > 0, key, value, "must be positive", 1)
+    _require_key(trainer.total_steps >= 0, "trainer.total_steps", trainer.total_steps, "must be >= 0", 100)
     for key, value in [
         ("trainer.eval_interval", trainer.eval_interval),
         ("trainer.ckpt_interval", trainer.ckpt_interval),
         ("trainer.hf_save_interval", trainer.hf_save_interval),
     ]:
-        _require(value >= 0, f"{key}={value} must be >= 0 (0 disables it), e.g. {key}=0.")
+        _require_key(value >= 0, key, value, "must be >= 0", 0)
     _require(
         trainer.resume_mode in ("latest", "none") or Path(trainer.resume_mode).is_dir(),
         f"trainer.resume_mode={trainer.resume_mode!r} must be 'latest', 'none' or an existing checkpoint "
@@ -224,28 +226,15 @@ def _check_trainer(trainer: TrainerConfig) -> None:
         not unknown,
         f"trainer.logger={list(trainer.logger)} has unknown backends {unknown}; choose from {list(BACKENDS)}.",
     )
-    _require(
-        trainer.max_consecutive_skipped_steps >= 0,
-        f"trainer.max_consecutive_skipped_steps={trainer.max_consecutive_skipped_steps} must be >= 0 (0: stop "
-        "at the first non-finite step), e.g. 5.",
-    )
-    _require(
-        trainer.rpc_timeout_s > 0,
-        f"trainer.rpc_timeout_s={trainer.rpc_timeout_s} must be > 0 (seconds a worker call may take), e.g. 1800.",
-    )
-    _require(
-        trainer.max_restarts >= 0,
-        f"trainer.max_restarts={trainer.max_restarts} must be >= 0 (0: a dead worker ends the run), e.g. 3.",
-    )
-    _require(
-        trainer.preemption_grace_s >= 0,
-        f"trainer.preemption_grace_s={trainer.preemption_grace_s} must be >= 0 (seconds a signalled run waits "
-        "for its step to end; 0: stop at once), e.g. 15.",
-    )
-    staleness = trainer.async_training.max_staleness
-    _require(
-        staleness >= 0,
-        f"trainer.async_training.max_staleness={staleness} must be >= 0 (0: the synchronous loop), e.g. 1.",
+    for key, value, example in [
+        ("trainer.max_consecutive_skipped_steps", trainer.max_consecutive_skipped_steps, 5),
+        ("trainer.max_restarts", trainer.max_restarts, 3),
+        ("trainer.preemption_grace_s", trainer.preemption_grace_s, 15),
+        ("trainer.async_training.max_staleness", trainer.async_training.max_staleness, 1),
+    ]:
+        _require_key(value >= 0, key, value, "must be >= 0", example)
+    _require_key(
+        trainer.rpc_timeout_s > 0, "trainer.rpc_timeout_s", trainer.rpc_timeout_s, "must be > 0", 1800
     )
 
 
@@ -257,15 +246,15 @@ def _check_models(trainer: TrainerConfig) -> None:
         "(or tiny for the default tiny model), e.g. trainer.policy.model.path=tiny.",
     )
     budget = trainer.max_tokens_per_micro_batch
-    _require(
+    _require_key(
         budget is None or budget > 0,
-        f"trainer.max_tokens_per_micro_batch={budget} must be positive (tokens per "
-        "micro-batch), e.g. trainer.max_tokens_per_micro_batch=8192, or null for fixed-size micro-batches.",
+        "trainer.max_tokens_per_micro_batch",
+        budget,
+        "must be positive or null",
+        8192,
     )
-    _require(
-        trainer.logprob_chunk_tokens > 0,
-        f"trainer.logprob_chunk_tokens={trainer.logprob_chunk_tokens} must be positive, e.g. 1024.",
-    )
+    chunk = trainer.logprob_chunk_tokens
+    _require_key(chunk > 0, "trainer.logprob_chunk_tokens", chunk, "must be positive", 1024)
     for role in ROLES:
         implementation = getattr(trainer, role).model.attn_implementation
         _require(
@@ -287,7 +276,7 @@ def _check_models(trainer: TrainerConfig) -> None:
         ("trainer.policy.optimizer", trainer.policy.optimizer),
         ("trainer.critic.optimizer", trainer.critic.optimizer),
     ]:
-        _require(opt.lr > 0, f"{key}.lr={opt.lr} must be positive, e.g. {key}.lr=1e-6.")
+        _require_key(opt.lr > 0, f"{key}.lr", opt.lr, "must be positive", 1e-6)
         _require(
             opt.scheduler in ("constant", "cosine"),
             f"{key}.scheduler={opt.scheduler!r} is not 'constant' or 'cosine'.",
@@ -415,19 +404,15 @@ def _check_generator(generator: GeneratorConfig) -> None:
         ("generator.max_input_length", generator.max_input_length),
         ("generator.env_workers", generator.env_workers),
     ]:
-        _require(value > 0, f"{key}={value} must be positive, e.g. {key}=1.")
+        _require_key(value > 0, key, value, "must be positive", 1)
     for key, s in [
         ("generator.sampling", generator.sampling),
         ("generator.eval_sampling", generator.eval_sampling),
     ]:
-        _require(
-            s.temperature >= 0, f"{key}.temperature={s.temperature} must be >= 0 (0 is greedy), e.g. 1.0."
-        )
-        _require(0 < s.top_p <= 1, f"{key}.top_p={s.top_p} must be in (0, 1], e.g. 1.0.")
-    _require(
-        0 <= generator.max_env_failure_fraction <= 1,
-        f"generator.max_env_failure_fraction={generator.max_env_failure_fraction} must be in [0, 1], e.g. 0.5.",
-    )
+        _require_key(s.temperature >= 0, f"{key}.temperature", s.temperature, "must be >= 0", 1.0)
+        _require_key(0 < s.top_p <= 1, f"{key}.top_p", s.top_p, "must be in (0, 1]", 1.0)
+    fraction = generator.max_env_failure_fraction
+    _require_key(0 <= fraction <= 1, "generator.max_env_failure_fraction", fraction, "must be in [0, 1]", 0.5)
     _require(
         generator.env_failure in ENV_FAILURE_MODES,
         f"generator.env_failure={generator.env_failure!r} is not one of {list(ENV_FAILURE_MODES)}: mask leaves "
@@ -441,11 +426,8 @@ def _check_generator(generator: GeneratorConfig) -> None:
     )
     validate_engine_config(generator.inference_engine)
     validate_server_config(generator.http_endpoint)
-    _require(
-        generator.max_engine_restarts >= 0,
-        f"generator.max_engine_restarts={generator.max_engine_restarts} must be >= 0 (0: a dead engine ends "
-        "the run), e.g. 3.",
-    )
+    restarts = generator.max_engine_restarts
+    _require_key(restarts >= 0, "generator.max_engine_restarts", restarts, "must be >= 0", 3)
     _check_episode_runner(generator)
 
 
@@ -462,10 +444,8 @@ def _check_episode_runner(generator: GeneratorConfig) -> None:
     )
     if agent is not None:
         load_agent(agent)
-        _require(
-            generator.agent_timeout_s > 0,
-            f"generator.agent_timeout_s={generator.agent_timeout_s} must be > 0 (seconds per episode), e.g. 600.",
-        )
+        timeout = generator.agent_timeout_s
+        _require_key(timeout > 0, "generator.agent_timeout_s", timeout, "must be > 0", 600)
         _require(
             generator.step_wise,
             f"generator.agent={agent!r} with generator.step_wise=false: an agent may re-render or rewrite "
@@ -481,15 +461,11 @@ def _check_data_and_environment(cfg: SkyRLConfig) -> None:
     from skyrl.envs import resolve as resolve_env
 
     data, env = cfg.data, cfg.environment
-    _require(
-        data.max_prompt_length > 0,
-        f"data.max_prompt_length={data.max_prompt_length} must be positive, e.g. data.max_prompt_length=1.",
+    _require_key(
+        data.max_prompt_length > 0, "data.max_prompt_length", data.max_prompt_length, "must be positive", 512
     )
     _known("environment.env_class", env.env_class, resolve_env)
-    _require(
-        env.timeout_s > 0,
-        f"environment.timeout_s={env.timeout_s} must be > 0 (seconds per env call), e.g. 600.",
-    )
+    _require_key(env.timeout_s > 0, "environment.timeout_s", env.timeout_s, "must be > 0", 600)
     action_space = (env.config.get(env.env_class) or {}).get("allowed_tokens")
     _require(
         action_space is None or (isinstance(action_space, list) and len(action_space) > 0),
@@ -651,10 +627,10 @@ def _check_lora(cfg: SkyRLConfig) -> None:
     trainer, engine = cfg.trainer, cfg.generator.inference_engine
     for role in ("policy", "critic"):
         key, lora = f"trainer.{role}.lora", getattr(trainer, role).lora
-        _require(lora.rank >= 0, f"{key}.rank={lora.rank} must be >= 0 (0 trains every parameter), e.g. 16.")
+        _require_key(lora.rank >= 0, f"{key}.rank", lora.rank, "must be >= 0", 16)
         if lora.rank:
-            _require(lora.alpha > 0, f"{key}.alpha={lora.alpha} must be positive, e.g. {2 * lora.rank}.")
-            _require(0 <= lora.dropout < 1, f"{key}.dropout={lora.dropout} must be in [0, 1), e.g. 0.")
+            _require_key(lora.alpha > 0, f"{key}.alpha", lora.alpha, "must be positive", 2 * lora.rank)
+            _require_key(0 <= lora.dropout < 1, f"{key}.dropout", lora.dropout, "must be in [0, 1)", 0)
             _require(
                 bool(lora.target_modules),
                 f"{key}.target_modules is empty; name the linear layers to adapt, e.g. [q_proj,v_proj].",

@@ -50,7 +50,7 @@ def describe(key: str) -> str:
     cls, *sections, name = [SkyRLConfig, *key.split(".")]
     for part in sections:
         cls = _dataclass_of(cls, part)
-    return field_docs(cls)[name].split(". ")[0].rstrip(".")
+    return " ".join(field_docs(cls)[name].split()).split(". ")[0].rstrip(".")
 
 
 def _check_key(key: str) -> None:

@@ -119,7 +119,11 @@ BAD_CONFIGS = [
         ["placement=disaggregated", "generator.inference_engine.weight_sync=ipc"],
         r"weight_sync=ipc with trainer.placement.colocate_all=false.*use placement=colocated",
     ),
-    (["trainer.total_steps=-1"], r"trainer.total_steps=-1 must be >= 0 \(0 with trainer.eval_before_train"),
+    (
+        ["trainer.total_steps=-1"],
+        r"trainer.total_steps=-1 must be >= 0, e.g. trainer.total_steps=100. trainer.total_steps: Training steps "
+        r"\(batches\) of the run; 0 with `eval_before_train`: evaluate only.",
+    ),
     (["trainer.max_tokens_per_micro_batch=0"], r"trainer.max_tokens_per_micro_batch=0 must be positive"),
     (
         ["trainer.algorithm.off_policy_correction=icepop"],
@@ -180,7 +184,11 @@ BAD_CONFIGS = [
     ),
     (["environment.timeout_s=0"], r"environment.timeout_s=0.0 must be > 0"),
     (["generator.max_engine_restarts=-1"], r"generator.max_engine_restarts=-1 must be >= 0"),
-    (["trainer.rpc_timeout_s=-5"], r"trainer.rpc_timeout_s=-5.0 must be > 0"),
+    (
+        ["trainer.rpc_timeout_s=-5"],
+        r"trainer.rpc_timeout_s=-5.0 must be > 0, e.g. trainer.rpc_timeout_s=1800. trainer.rpc_timeout_s: The "
+        r"longest a call into the workers may take \(a step, a checkpoint\).",
+    ),
     (["trainer.max_restarts=-1"], r"trainer.max_restarts=-1 must be >= 0"),
     (["trainer.preemption_grace_s=-1"], r"trainer.preemption_grace_s=-1.0 must be >= 0"),
     (["generator.agent=my_agent"], r"generator.agent='my_agent' must be 'package.module:name'"),

@@ -488,40 +488,29 @@ def test_dynamic_sampling_and_zero_variance_filter_run(ray_cluster, tiny_model_p
         assert m["policy/optimizer_steps"] == 2 * 2  # 4 prompts / mini-batch 2, two epochs (preset)
 
 
-def test_dynamic_sampling_fills_a_short_batch_with_groups_that_train_nothing(
+def test_tied_groups_fill_a_short_batch_and_train_nothing_with_kl_in_reward(
     ray_cluster, tiny_model_path, tmp_path
 ):
+    """Multi-turn greedy episodes tie within each group. Dynamic sampling and the zero-variance filter
+    decide on the episodes' env rewards: the KL penalty, which differs per turn row, must not make a tied
+    group look varied. No group is kept after both draws, so the batch is filled with tied groups that
+    are masked out of the loss."""
     overrides = [
         *SMALL,
         GREEDY,
         "trainer.total_steps=1",
         "trainer.algorithm.dynamic_sampling=filter",
         "trainer.algorithm.max_sample_batches=2",
-    ]
-    (m,) = run(overrides, tmp_path, tiny_model_path)
-    assert m["dynamic_sampling/draws"] == 2 and m["dynamic_sampling/kept_groups"] == 0
-    assert m["dynamic_sampling/filler_groups"] == 4
-    assert m["batch/pad_free_tokens"] == 0 and m["policy/grad_norm"] == 0  # masked out of the loss
-    assert m["policy/ratio_mean"] == 0  # no loss token: the metrics say so instead of averaging pads
-
-
-def test_zero_variance_filter_decides_on_env_rewards_with_kl_in_reward(
-    ray_cluster, tiny_model_path, tmp_path
-):
-    """Multi-turn greedy episodes tie within each group; the KL penalty differs per turn row and must not
-    make a tied group look varied."""
-    overrides = [
-        *SMALL,
-        GREEDY,
-        "trainer.total_steps=1",
         "trainer.algorithm.zero_variance_filter=true",
         "trainer.algorithm.use_kl_in_reward=true",
         "trainer.algorithm.kl_ctrl.kl_coef=0.5",
     ]
     (m,) = run(overrides, tmp_path, tiny_model_path)
     assert m["episode/turns"] > 1
-    assert m["filter/zero_variance_groups"] == 4
-    assert m["batch/pad_free_tokens"] == 0
+    assert m["dynamic_sampling/draws"] == 2 and m["dynamic_sampling/kept_groups"] == 0
+    assert m["dynamic_sampling/filler_groups"] == 4 and m["filter/zero_variance_groups"] == 4
+    assert m["batch/pad_free_tokens"] == 0 and m["policy/grad_norm"] == 0  # masked out of the loss
+    assert m["policy/ratio_mean"] == 0  # no loss token: the metrics say so instead of averaging pads
 
 
 def episode(uid, sample, turn_rewards):

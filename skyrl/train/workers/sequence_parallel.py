@@ -138,6 +138,11 @@ def ulysses_attention(
         )
     group = _GROUP
     size = dist.get_world_size(group)
+    if query.shape[1] % size:
+        raise ValueError(
+            f"sequence parallelism splits attention heads across its ranks: the model's {query.shape[1]} "
+            f"attention heads are not a multiple of sequence_parallel_size={size}"
+        )
     if key.shape[1] % size:
         key, value = (t.repeat_interleave(query.shape[1] // t.shape[1], dim=1) for t in (key, value))
     query, key, value = (_heads_to_sequence(t, group) for t in (query, key, value))
