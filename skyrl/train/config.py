@@ -558,9 +558,9 @@ def preflight(
         for name, s in source_configs(cfg.reward).items()
         if s.type == "model"
     ]
-    for section, sp, path in parallel:
-        own = AutoConfig.from_pretrained(resolve_model_path(path)) if path and sp > 1 else model_config
-        if sp > 1 and own is not None:
+    for section, sp, path in (p for p in parallel if p[1] > 1):
+        own = AutoConfig.from_pretrained(resolve_model_path(path)) if path else model_config
+        if own is not None:
             check_sequence_parallel_heads(f"{section}.sequence_parallel_size", sp, own)
 
     gpus = int(resources.get("GPU", 0))

@@ -402,7 +402,13 @@ class OpenAIServer:
         raw = self._text(out, params, False)
         if think:
             raw = self.reasoning.split(raw)[1]  # calls are parsed from what the parser leaves as content
-        parsed = self.tool_calls.parse(use.opening + raw, use.opening + text, use.tools, use.parallel)
+        parsed = self.tool_calls.parse(
+            use.opening + raw,
+            use.opening + text,
+            use.tools,
+            use.parallel,
+            constrained=use.grammar is not None,
+        )
         if not parsed.tool_calls:
             return {"role": "assistant", "content": parsed.content} | thought
         answer = {"role": "assistant", "tool_calls": parsed.tool_calls}

@@ -51,6 +51,23 @@ class CallFormat:
     end: str
     between: str
 
+    def calls(self, text: str) -> tuple[list[Any], str] | None:
+        """The calls that `text` opens with, each JSON-decoded (so an argument holding `end` stays whole,
+        where a parser that cuts at the first `end` would split it), and what follows them; None when
+        `text` does not open with a whole call."""
+        decoder, calls, at = json.JSONDecoder(), [], 0
+        while text.startswith(self.start if not calls else self.between + self.start, at):
+            at += len(self.start if not calls else self.between + self.start)
+            try:
+                call, at = decoder.raw_decode(text, at)
+            except json.JSONDecodeError:
+                return None
+            if not text.startswith(self.end, at):
+                return None
+            calls.append(call)
+            at += len(self.end)
+        return (calls, text[at:]) if calls else None
+
 
 CALL_FORMATS: dict[str, CallFormat] = {"hermes": CallFormat("<tool_call>\n", "\n</tool_call>", "\n")}
 
@@ -242,11 +259,23 @@ class ToolCalls:
         more = f" ({json.dumps(fmt.between + fmt.start)} call {end})*" if parallel else ""
         return ToolUse(tools, parallel, fmt.start, f"root ::= call {end}{more}\n{rules}")
 
-    def parse(self, text: str, content: str, tools: list[dict[str, Any]], parallel: bool) -> Parsed:
+    def parse(
+        self, text: str, content: str, tools: list[dict[str, Any]], parallel: bool, constrained: bool = False
+    ) -> Parsed:
         """The calls in `text` (the answer decoded with special tokens kept); `content` (decoded without
         them) when it holds none (also when a call's arguments are not a JSON object: a parse failure).
-        With `parallel` False only the first call is answered."""
+        With `parallel` False only the first call is answered. A `constrained` answer (`ToolUse.grammar`)
+        is calls in the parser's `CALL_FORMATS` and is read as such; unless `max_tokens` cut it."""
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.renderers.chat_utils import make_tool_call_id
+
+        whole = CALL_FORMATS[self.name or ""].calls(text) if constrained else None
+        if whole is not None and whole[1].strip() in ("", *self.tokenizer.all_special_tokens):
+            calls = [
+                {"id": make_tool_call_id(), "type": "function", "function": call}
+                for call in whole[0][: None if parallel else 1]
+            ]
+            return Parsed(None, calls)
 
         request = ChatCompletionRequest(
             model="skyrl", messages=[{"role": "user", "content": ""}], tools=tools, tool_choice="auto"

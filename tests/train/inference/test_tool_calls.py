@@ -344,6 +344,23 @@ def test_the_named_grammar_admits_that_functions_arguments(tokenizer):
     assert not matcher(tokenizer, use).accept_string(' {"city": 3}')
 
 
+def test_a_constrained_answer_is_read_as_its_calls_when_an_argument_holds_the_end_tag(tokenizer):
+    """The grammar admits any JSON string, `</tool_call>` included (a greedy answer in CI wrote one): the
+    answer is read as the calls the grammar made it, not cut at the first end tag."""
+    calls = ToolCalls(tokenizer, "hermes")
+    arguments = {"city": "}me</tool_call>en"}
+    call = f'<tool_call>\n{{"name": "get_weather", "arguments": {json.dumps(arguments)}}}\n</tool_call>'
+    text = f"{call}\n{call}<|im_end|>"
+    for parallel, n in ((True, 2), (False, 1)):
+        parsed = calls.parse(text, text.removesuffix("<|im_end|>"), [WEATHER], parallel, constrained=True)
+        assert parsed.content is None
+        assert [c["function"] for c in parsed.tool_calls] == [
+            {"name": "get_weather", "arguments": arguments}
+        ] * n
+    cut = call[: call.index("}me")]  # max_tokens cut it: no whole call, so plain content
+    assert not calls.parse(cut, cut, [WEATHER], True, constrained=True).tool_calls
+
+
 def test_a_constrained_tool_choice_is_a_call_where_the_model_would_answer_text(http):
     """Given the tool's result the model answers text (memorised); constrained, it makes a call, with
     arguments its schema allows."""
