@@ -7,7 +7,8 @@ Commands come from the bash blocks and from the prose's inline code that starts 
 - each script gets its `SMOKE` arguments (small sizes, one step) after the ones the docs show; a usage
   line runs once per form (`[--engine hf|vllm]`: without the flag, with hf, with vllm), and `RUN_DIR`
   is the run directory of a training command that ran before it;
-- every command must exit 0, and a script the docs name without `SMOKE` arguments fails the check.
+- every command must exit 0; a script the docs name without `SMOKE` arguments, or an entry of `SMOKE`
+  or `COVERED` for a script the docs do not name, fails the check.
 
 What cannot run on this machine is listed with the reason and skipped: a model from the Hugging Face
 hub (no network), a cluster to join (RAY_ADDRESS), a template (`--config-name NAME`), the tests and
@@ -168,6 +169,10 @@ def main() -> None:
     # training commands first: their run directories are the RUN_DIR of the scripts that read one
     order = sorted(plan.values(), key=lambda entry: SCRIPT.search(entry[1]) is not None)
     failed, last_run = [], None
+    named = {m.group(1) for _, command, _ in order if (m := SCRIPT.search(command))}
+    for script in sorted((SMOKE.keys() | COVERED.keys()) - named):  # a table entry for no command shown
+        failed.append(script)
+        print(f"FAIL scripts/{script}.py has an entry here but the docs show no command of it")
     with tempfile.TemporaryDirectory() as tmp:
         for i, (where, command, reason) in enumerate(order):
             script = SCRIPT.search(command)
