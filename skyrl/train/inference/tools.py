@@ -56,8 +56,8 @@ class CallFormat:
         where a parser that cuts at the first `end` would split it), and what follows them; None when
         `text` does not open with a whole call."""
         decoder, calls, at = json.JSONDecoder(), [], 0
-        while text.startswith(self.start if not calls else self.between + self.start, at):
-            at += len(self.start if not calls else self.between + self.start)
+        while text.startswith(opening := self.between + self.start if calls else self.start, at):
+            at += len(opening)
             try:
                 call, at = decoder.raw_decode(text, at)
             except json.JSONDecodeError:
