@@ -17,7 +17,14 @@ def test_the_openai_agent_example_trains_by_its_recipe(ray_cluster, tiny_model_p
     its recorded requests, continued token for token, without a failed episode. That it learns follows
     from its trajectories equalling the env path's (tests/train/generator/test_agent.py) and the env
     path's learning test; a learning run of its own cost 270-460 s of the suite."""
-    overrides = ["trainer.total_steps=3", "trainer.logger=[jsonl]", HF]
+    overrides = [
+        "trainer.total_steps=3",
+        "trainer.train_batch_size=4",  # 16 episodes a step, not the default 128: the path, not the scale
+        "trainer.policy_mini_batch_size=4",
+        "generator.n_samples_per_prompt=4",
+        "trainer.logger=[jsonl]",
+        HF,
+    ]
     cfg = compose_config(overrides, ROOT / "configs", "openai_agent")
     assert cfg.generator.agent == "examples.openai_agent.agent:play"
     trainer = Trainer(

@@ -283,26 +283,27 @@ class ActorGroup:
         )
 
     def _run_staged(self, method: str, staged: Sequence[StagedMiniBatch], **kwargs: Any) -> list[Any]:
-        """`method` once on every rank over all of `staged` (each rank's refs of every mini-batch in
-        order, `fields` per mini-batch; a sequence-parallel group's ranks get their data-parallel rank's):
-        one round trip per phase, not per mini-batch."""
+        """`method` once on every rank over all of `staged`: each rank gets the staged lists that hold its
+        parts (a sequence-parallel group's ranks: their data-parallel rank's) and `picks`, per mini-batch
+        where in them its groups of fields are. One round trip per phase, not per mini-batch."""
         first = staged[0]
         extra = (
             {"dp_size": self.dp_size, "balance": first.balance, "cost_weight": first.cost_weight}
             if first.delayed
             else {}
         ) | kwargs
-        return self._get(
-            [
-                getattr(actor, method).remote(
-                    *[ref for mini in staged for ref in mini.refs(rank // self.sp_size)],
-                    fields=len(first.parts),
-                    **extra,
-                )
-                for rank, actor in enumerate(self.actors)
-            ],
-            method,
-        )
+        calls = []
+        for rank, actor in enumerate(self.actors):
+            lists: dict[ray.ObjectRef, int] = {}
+            picks = [
+                [
+                    (lists.setdefault(ref, len(lists)), position)
+                    for ref, position in mini.slots(rank // self.sp_size)
+                ]
+                for mini in staged
+            ]
+            calls.append(getattr(actor, method).remote(*lists, picks=picks, **extra))
+        return self._get(calls, method)
 
     def forward(self, staged: Sequence[StagedMiniBatch], **kwargs: Any) -> TrainingInputBatch:
         """Per-row forward outputs (`logprobs` or `values`) of the staged rows, in order, pads removed;

@@ -2,60 +2,73 @@
 
 Per mini-batch: slice, pad to a multiple of the DP size with loss-masked rows,
 assign rows to ranks (`split_train_data_by_dp`'s rule: strided, or sequence-length
-balanced), put each rank's part in the Ray object store. A step stages the
-forward fields once per (DP size, boundaries) and reuses them for every forward
-pass and epoch; fields known later (advantages, old logprobs) are staged once
-more with the same rows and travel as a separate part. Per-row outputs come back
-in the original row order with every pad row removed.
+balanced). Each rank's parts of every mini-batch go into the Ray object store
+together, as one list (a `ray.put` costs ~1 ms whatever its size: one per rank,
+not one per rank and mini-batch). A step stages the forward fields once per (DP
+size, boundaries) and reuses them for every forward pass and epoch; fields known
+later (advantages, old logprobs) are staged once more with the same rows and
+travel as a separate part. Per-row outputs come back in the original row order
+with every pad row removed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ray
 
 from skyrl.train.training_batch import TrainingInputBatch, pad_training_input_batch, partition_rows
+
+Slot = tuple[ray.ObjectRef, int]  # a staged list in the object store, and a position in it
 
 
 @dataclass
 class StagedMiniBatch:
     """One mini-batch in the object store and how to undo its split.
 
-    `parts[k][dp_rank]` is rank `dp_rank`'s share of the k-th group of fields; with
-    the delayed split `parts[k]` holds one ref (the whole padded mini-batch) and
-    each rank takes its rows itself. `rows[dp_rank]` are the padded-mini-batch row
-    indices that rank holds; rows at index >= `end - start` are padding. `nbytes`
-    counts the tensor bytes put for this mini-batch.
+    `parts[k][dp_rank]` is the slot of rank `dp_rank`'s share of the k-th group of
+    fields; with the delayed split `parts[k]` holds one slot (the whole padded
+    mini-batch) and each rank takes its rows itself. `rows[dp_rank]` are the
+    padded-mini-batch row indices that rank holds; rows at index >= `end - start`
+    are padding. `nbytes` counts the tensor bytes put for this mini-batch.
     """
 
     start: int
     end: int
     rows: list[list[int]]
-    parts: list[list[ray.ObjectRef]]
+    parts: list[list[Slot]]
     delayed: bool
     balance: bool
     cost_weight: float | None
     nbytes: int
 
-    def refs(self, dp_rank: int) -> list[ray.ObjectRef]:
+    def slots(self, dp_rank: int) -> list[Slot]:
+        """Where rank `dp_rank`'s part of each group of fields is staged."""
         return [part[0 if self.delayed else dp_rank] for part in self.parts]
+
+    def fetch(self, dp_rank: int, field_group: int = 0) -> TrainingInputBatch:
+        """Rank `dp_rank`'s part of the `field_group`-th group of fields (with the delayed split: the whole
+        padded mini-batch), fetched from the object store."""
+        ref, position = self.slots(dp_rank)[field_group]
+        return ray.get(ref)[position]
 
     def __len__(self) -> int:
         return len(self.rows)
 
 
-def _put(batch: TrainingInputBatch) -> tuple[ray.ObjectRef, int]:
-    own = batch.compact()  # a view would put the whole storage it views
-    return ray.put(own), own.nbytes
-
-
-def _put_part(
-    padded: TrainingInputBatch, rows: list[list[int]], delayed: bool
-) -> tuple[list[ray.ObjectRef], int]:
-    puts = [_put(padded)] if delayed else [_put(padded.select_rows(r)) for r in rows]
-    return [ref for ref, _ in puts], sum(n for _, n in puts)
+def _put_parts(
+    padded: Sequence[TrainingInputBatch], rows: Sequence[list[list[int]]], delayed: bool
+) -> tuple[list[list[Slot]], list[int]]:
+    """Every mini-batch of `padded` split by its `rows` (or whole, `delayed`), one put per rank: per
+    mini-batch its slots by rank, and the bytes put for it."""
+    shares = [  # compact: a view would put the whole storage it views
+        [share.compact() for share in ([mini] if delayed else [mini.select_rows(r) for r in split])]
+        for mini, split in zip(padded, rows, strict=True)
+    ]
+    refs = [ray.put([ranks[rank] for ranks in shares]) for rank in range(len(shares[0]))] if shares else []
+    slots = [[(ref, position) for ref in refs] for position in range(len(shares))]
+    return slots, [sum(share.nbytes for share in ranks) for ranks in shares]
 
 
 def _fields_only(data: TrainingInputBatch) -> TrainingInputBatch:
@@ -75,48 +88,42 @@ class MeshDispatch:
         delay_split: bool = False,
         cost_weight: float | None = None,
     ) -> list[StagedMiniBatch]:
-        """Per boundary: slice, pad to a multiple of `dp_size`, split, `ray.put` each rank's rows.
+        """Per boundary: slice, pad to a multiple of `dp_size`, split; then one `ray.put` per rank of its
+        rows of every mini-batch.
 
         `data` needs `sequences` and `attention_mask` (the balanced split counts
-        tokens). With `delay_split` the whole padded mini-batch is put once and each
+        tokens). With `delay_split` the whole padded mini-batches are put once and each
         rank takes its own part (`partition_rows` with the same `dp_size`, `balance` and
         `cost_weight`, the linear weight of the attention-aware cost balancing uses).
         """
-        staged = []
         data = _fields_only(data)
+        padded, rows = [], []
         for start, end in mini_batch_boundaries:
             mini = data.slice(start, end)
-            padded = pad_training_input_batch(mini, (-len(mini)) % dp_size)
-            rows = partition_rows(padded, dp_size, balance, cost_weight)
-            refs, nbytes = _put_part(padded, rows, delay_split)
-            staged.append(
-                StagedMiniBatch(start, end, rows, [refs], delay_split, balance, cost_weight, nbytes)
+            padded.append(pad_training_input_batch(mini, (-len(mini)) % dp_size))
+            rows.append(partition_rows(padded[-1], dp_size, balance, cost_weight))
+        slots, nbytes = _put_parts(padded, rows, delay_split)
+        return [
+            StagedMiniBatch(start, end, split, [part], delay_split, balance, cost_weight, size)
+            for (start, end), split, part, size in zip(
+                mini_batch_boundaries, rows, slots, nbytes, strict=True
             )
-        return staged
+        ]
 
     @staticmethod
     def add_fields(staged: Sequence[StagedMiniBatch], data: TrainingInputBatch) -> list[StagedMiniBatch]:
         """`staged` with the fields of `data` (same rows as when staged) put as one more part,
         padded and split exactly like the first; `staged` itself is unchanged."""
         data = _fields_only(data)
-        extended = []
+        padded = []
         for mini in staged:
             part = data.slice(mini.start, mini.end)
-            padded = pad_training_input_batch(part, (-len(part)) % len(mini))
-            refs, nbytes = _put_part(padded, mini.rows, mini.delayed)
-            extended.append(
-                StagedMiniBatch(
-                    mini.start,
-                    mini.end,
-                    mini.rows,
-                    [*mini.parts, refs],
-                    mini.delayed,
-                    mini.balance,
-                    mini.cost_weight,
-                    mini.nbytes + nbytes,
-                )
-            )
-        return extended
+            padded.append(pad_training_input_batch(part, (-len(part)) % len(mini)))
+        slots, nbytes = _put_parts(padded, [mini.rows for mini in staged], bool(staged) and staged[0].delayed)
+        return [
+            replace(mini, parts=[*mini.parts, part], nbytes=mini.nbytes + size)
+            for mini, part, size in zip(staged, slots, nbytes, strict=True)
+        ]
 
     @staticmethod
     def gather(

@@ -369,8 +369,8 @@ class FSDPWorker:
     @torch.no_grad()
     def forward(
         self,
-        *parts: TrainingInputBatch,
-        fields: int | None = None,
+        *parts: Any,
+        picks: Sequence[Sequence[tuple[int, int]]] | None = None,
         dp_size: int | None = None,
         balance: bool = False,
         cost_weight: float | None = None,
@@ -380,7 +380,7 @@ class FSDPWorker:
         in `parts` (see `rank_rows`), in their order; micro-batches may span mini-batches.
         `adapters=False` computes the base model's outputs (LoRA: the reference policy).
         """
-        data = TrainingInputBatch.cat(self.rank_rows(parts, fields, dp_size, balance, cost_weight))
+        data = TrainingInputBatch.cat(self.rank_rows(parts, picks, dp_size, balance, cost_weight))
         self.model.eval()
         outputs: dict[str, torch.Tensor] = {}
         micro_batches = self._micro_batches(data, self.cfg.micro_forward_batch_size_per_gpu)
@@ -397,20 +397,20 @@ class FSDPWorker:
 
     def rank_rows(
         self,
-        parts: Sequence[TrainingInputBatch],
-        fields: int | None = None,
+        parts: Sequence[Any],
+        picks: Sequence[Sequence[tuple[int, int]]] | None = None,
         dp_size: int | None = None,
         balance: bool = False,
         cost_weight: float | None = None,
     ) -> list[TrainingInputBatch]:
-        """This rank's rows of each mini-batch in `parts`, which hold `fields` parts per mini-batch (all of
-        them when None): different fields of the same rows, staged separately (see `dispatch`). With
-        `dp_size` set each mini-batch is whole and this rank takes its part (the delayed split);
-        otherwise the parts are already this rank's."""
-        fields = fields or len(parts)
+        """This rank's rows of each mini-batch. Without `picks`, `parts` are different fields of the same
+        rows: one mini-batch. With `picks` (staged by `dispatch`), `parts` are staged lists of mini-batch
+        parts and `picks[i]` the (list, position) of each group of fields of mini-batch i. With `dp_size`
+        set each mini-batch is whole and this rank takes its part (the delayed split); otherwise the parts
+        are already this rank's."""
+        minis = [list(parts)] if picks is None else [[parts[i][at] for i, at in mini] for mini in picks]
         return [
-            self._own_part(TrainingInputBatch.merge(parts[i : i + fields]), dp_size, balance, cost_weight)
-            for i in range(0, len(parts), fields)
+            self._own_part(TrainingInputBatch.merge(mini), dp_size, balance, cost_weight) for mini in minis
         ]
 
     def _own_part(
@@ -612,8 +612,8 @@ class TrainableWorker(FSDPWorker, abc.ABC):
 
     def train_mini_batches(
         self,
-        *parts: TrainingInputBatch,
-        fields: int | None = None,
+        *parts: Any,
+        picks: Sequence[Sequence[tuple[int, int]]] | None = None,
         dp_size: int | None = None,
         balance: bool = False,
         cost_weight: float | None = None,
@@ -622,7 +622,7 @@ class TrainableWorker(FSDPWorker, abc.ABC):
         """`train_mini_batch` on this rank's rows of each mini-batch in `parts` (see `rank_rows`), in order:
         one call for a whole epoch. The metrics of each optimizer step. Then the CUDA caching allocator's
         free blocks go back to the colocated engines, once: re-allocating them per step costs device time."""
-        minis = self.rank_rows(parts, fields, dp_size, balance, cost_weight)
+        minis = self.rank_rows(parts, picks, dp_size, balance, cost_weight)
         metrics = [self.train_mini_batch(mini, keep_gradients=keep_gradients) for mini in minis]
         self._release_cached_memory()
         return metrics

@@ -1,4 +1,3 @@
-import ray
 import torch
 
 from skyrl.train.training_batch import TrainingInputBatch, partition_rows
@@ -30,7 +29,7 @@ def rank_outputs(staged, dp_size, balance, delay_split):
     for rank in range(dp_size):
         per_mini = []
         for mini in staged:
-            part = ray.get(mini.refs(rank)[0])
+            part = mini.fetch(rank)
             if delay_split:
                 part = part.select_rows(partition_rows(part, dp_size, balance)[rank])
             per_mini.append(TrainingInputBatch({"out": part["row"] * 10}))
@@ -42,7 +41,7 @@ def test_stage_chunks_pads_each_mini_batch_to_the_dp_size(ray_cluster):
     batch = numbered_batch(10)
     staged = MeshDispatch.stage_chunks(4, batch, [(0, 3), (3, 8), (8, 10)])
     assert [len(m) for m in staged] == [4, 4, 4]
-    parts = [[ray.get(m.refs(r)[0]) for r in range(4)] for m in staged]
+    parts = [[m.fetch(r) for r in range(4)] for m in staged]
     assert [[len(p) for p in mini] for mini in parts] == [[1, 1, 1, 1], [2, 2, 2, 2], [1, 1, 1, 1]]
     assert staged[1].rows == [[0, 4], [1, 5], [2, 6], [3, 7]]  # strided; rows >= 5 are the 3 pad rows
     middle = TrainingInputBatch.cat(parts[1])  # rows 0, 4, 1, 5, 2, 6, 3, 7
@@ -53,7 +52,7 @@ def test_stage_chunks_pads_each_mini_batch_to_the_dp_size(ray_cluster):
 def test_balanced_staging_spreads_tokens_evenly(ray_cluster):
     batch = numbered_batch(8)
     staged = MeshDispatch.stage_chunks(2, batch, [(0, 8)], balance=True)
-    loads = [ray.get(staged[0].refs(r)[0])["attention_mask"].sum().item() for r in range(2)]
+    loads = [staged[0].fetch(r)["attention_mask"].sum().item() for r in range(2)]
     assert loads == [18, 18]
 
 
@@ -74,10 +73,10 @@ def test_delayed_and_driver_side_splits_give_each_rank_the_rows_of_split_train_d
         eager = MeshDispatch.stage_chunks(2, batch, bounds, balance)
         delayed = MeshDispatch.stage_chunks(2, batch, bounds, balance, delay_split=True)
         for mini_eager, mini_delayed in zip(eager, delayed, strict=True):
-            whole = ray.get(mini_delayed.refs(0)[0])
+            whole = mini_delayed.fetch(0)
             rollout = {"tokens": [list(range(n)) for n in whole["attention_mask"].sum(-1).tolist()]}
             expected = [part["partition"] for part in split_train_data_by_dp(rollout, 2, balance)]
             assert mini_eager.rows == mini_delayed.rows == expected, balance
             for rank in range(2):
                 own = whole.select_rows(partition_rows(whole, 2, balance)[rank])  # the worker's `_own_part`
-                assert torch.equal(own["row"], ray.get(mini_eager.refs(rank)[0])["row"]), (balance, rank)
+                assert torch.equal(own["row"], mini_eager.fetch(rank)["row"]), (balance, rank)

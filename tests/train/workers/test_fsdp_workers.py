@@ -46,14 +46,15 @@ def test_delayed_split_gives_each_worker_the_rows_of_the_driver_side_split(polic
         eager = MeshDispatch.stage_chunks(2, batch, bounds, balance)
         delayed = MeshDispatch.stage_chunks(2, batch, bounds, balance, delay_split=True)
         for mini_eager, mini_delayed in zip(eager, delayed, strict=True):
+            staged, position = mini_delayed.slots(0)[0]
             refs = [
                 actor.__ray_call__.remote(
-                    lambda w, data, b=balance: w._own_part(data, 2, b), mini_delayed.refs(rank)[0]
+                    lambda w, minis, b=balance, at=position: w._own_part(minis[at], 2, b), staged
                 )
-                for rank, actor in enumerate(policy_dp2.actors)
+                for actor in policy_dp2.actors
             ]
             for rank, own in enumerate(ray.get(refs, timeout=120)):
-                expected = ray.get(mini_eager.refs(rank)[0])
+                expected = mini_eager.fetch(rank)
                 assert torch.equal(own["sequences"], expected["sequences"]), (balance, rank)
                 assert torch.equal(own["advantages"], expected["advantages"]), (balance, rank)
 

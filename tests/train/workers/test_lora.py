@@ -11,7 +11,13 @@ from peft import LoraConfig, PeftModel, inject_adapter_in_model
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM
 
-from scripts.check_dp_equivalence import Layout, relative_differences, stepwise_batch, train_two_steps
+from scripts.check_dp_equivalence import (
+    Layout,
+    WorkerPool,
+    relative_differences,
+    stepwise_batch,
+    train_two_steps,
+)
 from skyrl.train.inference import InferenceEngineClient, InferenceEngineConfig
 from skyrl.train.inference.engine import SamplingParams
 from skyrl.train.inference.weights import (
@@ -20,7 +26,6 @@ from skyrl.train.inference.weights import (
     validate_adapter_update,
 )
 from skyrl.train.schema import LoRAConfig, OptimizerConfig, PolicyConfig, TrainerConfig
-from skyrl.train.workers.actor_group import ActorGroup, create_placement_group
 from skyrl.train.workers.fsdp_worker import PolicyWorker, RefWorker
 from skyrl.train.workers.lora import adapter_tensors, merge_adapters, target_module_names
 
@@ -138,8 +143,17 @@ def test_modules_to_save_train_in_full_and_export_in_peft_format(tiny_model_path
 
 
 @pytest.fixture(scope="module")
-def plain_lora(ray_cluster, tiny_model_path):
-    return train_two_steps(str(tiny_model_path), Layout(lora_rank=RANK))
+def worker_pool(ray_cluster, tiny_model_path):
+    """The module's actor groups, reloaded for each run: the policy on 1 and on 2 ranks, the reference on
+    1 (4 of the cluster's CPUs while this module runs; the engine test adds 2)."""
+    pool = WorkerPool(str(tiny_model_path))
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def plain_lora(worker_pool, tiny_model_path):
+    return train_two_steps(str(tiny_model_path), Layout(lora_rank=RANK), pool=worker_pool)
 
 
 @pytest.mark.parametrize(
@@ -150,34 +164,30 @@ def plain_lora(ray_cluster, tiny_model_path):
     ],
     ids=["DP=2", "prefix-shared, DP=2, budget 24"],
 )
-def test_lora_layouts_train_like_the_plain_lora_path(plain_lora, tiny_model_path, layout):
+def test_lora_layouts_train_like_the_plain_lora_path(plain_lora, worker_pool, tiny_model_path, layout):
     assert plain_lora.update.norm() > 0 and all(n > 0 for n in plain_lora.grad_norms)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     inject_adapter_in_model(LoraConfig(r=RANK, target_modules=target_module_names(model)), model)
     adapter_numel = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
     assert plain_lora.gradients[0].numel() == adapter_numel  # only the adapters have gradients
-    diffs = relative_differences(plain_lora, train_two_steps(str(tiny_model_path), layout))
+    diffs = relative_differences(plain_lora, train_two_steps(str(tiny_model_path), layout, pool=worker_pool))
     assert diffs["loss"] < 1e-5 and diffs["grad_norm"] < 1e-5 and diffs["gradient"] < 1e-5, diffs
     assert diffs["param_update"] < 1e-4, diffs
 
 
 @pytest.fixture(scope="module")
-def lora_dp2(ray_cluster, tiny_model_path):
-    pg = create_placement_group(3)
-    policy = ActorGroup(PolicyWorker, lora_cfg(), str(tiny_model_path), 2, pg, wait=False)
-    ref = ActorGroup(RefWorker, lora_cfg(), str(tiny_model_path), 1, pg, bundle_offset=2, wait=False)
-    policy.wait_until_ready()  # both started at once
-    ref.wait_until_ready()
+def lora_dp2(worker_pool):
+    """The policy on 2 ranks after two LoRA steps, and a reference worker (the pool's; no test after these
+    uses them)."""
+    policy = worker_pool.group(PolicyWorker, 2, lora_cfg())
+    ref = worker_pool.group(RefWorker, 1, lora_cfg())
     batch, bounds = stepwise_batch(512)
     staged = policy.stage(batch, bounds)
     batch["old_logprobs"] = policy.forward(staged)["logprobs"]
     trained = policy.stage(batch, bounds)
     policy.train(trained)
     policy.train(trained)  # the second step moves A too (B is 0 before the first)
-    yield policy, ref, batch, bounds
-    policy.kill()
-    ref.kill()
-    ray.util.remove_placement_group(pg)
+    return policy, ref, batch, bounds
 
 
 def test_only_the_adapters_have_optimizer_state(lora_dp2):
