@@ -3,6 +3,7 @@ the same data path as the synchronous loop, the staleness bound from the recorde
 generator running ahead, learning, and resume mid-run."""
 
 import json
+import shutil
 
 import pytest
 from transformers import AutoTokenizer
@@ -12,6 +13,7 @@ from skyrl.train.generator.stream import episode_staleness
 from skyrl.train.sampler import load_datasets
 from skyrl.train.trainer import Trainer
 from skyrl.train.utils.tracking import read_metrics
+from skyrl.train.workers.persistence import CHECKPOINT_DONE
 from tests.metrics_reference import assert_documented
 from tests.train.test_trainer import SMALL, assert_learns, learning
 
@@ -36,12 +38,9 @@ def build(overrides, run_dir, model_path):
     return trainer
 
 
-def run(overrides, run_dir, model_path, stop_after=None):
-    """`fit` with `overrides`; `stop_after=N` ends the run after step N as if it were killed there.
-    Returns the metrics and the recorded (policy version, episodes) of each step."""
+def run(overrides, run_dir, model_path):
+    """`fit` with `overrides`; the metrics and the recorded (policy version, episodes) of each step."""
     trainer = build(overrides, run_dir, model_path)
-    if stop_after is not None:
-        trainer.cfg.trainer.total_steps = stop_after
     try:
         history = trainer.fit()
     finally:
@@ -73,8 +72,10 @@ AHEAD = [*STILL, "trainer.async_training.max_staleness=1"]
 @pytest.fixture(scope="module")
 def ahead_run(ray_cluster, tiny_model_path, tmp_path_factory):
     """`AHEAD` for 4 steps, uninterrupted: the asynchronous run of the data-path test and the straight
-    run of the resume test (one trainer start for both)."""
-    return run(AHEAD, tmp_path_factory.mktemp("ahead"), tiny_model_path)
+    run of the resume test, whose killed run is a copy of it (one trainer start for both). Its metrics,
+    recorded steps and run directory."""
+    run_dir = tmp_path_factory.mktemp("ahead")
+    return *run(AHEAD, run_dir, tiny_model_path), run_dir
 
 
 def test_async_data_path_reproduces_the_synchronous_run_while_the_weights_stand_still(
@@ -83,7 +84,7 @@ def test_async_data_path_reproduces_the_synchronous_run_while_the_weights_stand_
     """While the weights stand still, generating ahead samples what the synchronous loop samples: any
     difference is the asynchronous data path's (draw order, grouping, batches, metrics)."""
     sync, sync_steps = run(STILL, tmp_path / "sync", tiny_model_path)
-    ahead, ahead_steps = ahead_run
+    ahead, ahead_steps, _ = ahead_run
     assert [m["async/staleness_max"] for m in ahead] == [0, 1, 1, 1]
     assert "async/staleness_max" not in sync[0]
     for (_, a), (_, b) in zip(sync_steps, ahead_steps, strict=True):
@@ -153,8 +154,13 @@ def test_grpo_learns_guess_number_one_step_off_policy(
 
 
 def test_resume_mid_run_with_async_continues_the_same_run(ahead_run, tiny_model_path, tmp_path):
-    _, straight_steps = ahead_run
-    run(AHEAD, tmp_path / "killed", tiny_model_path, stop_after=3)
+    """The straight run as if killed in its step 4 before that step's checkpoint completed: resumed from
+    step 2's (saved while the stream had drawn ahead), it takes the straight run's prompts."""
+    _, straight_steps, straight_dir = ahead_run
+    shutil.copytree(straight_dir, tmp_path / "killed")
+    checkpoints = tmp_path / "killed" / "checkpoints"
+    (checkpoints / "global_step_4" / CHECKPOINT_DONE).unlink()
+    (checkpoints / "global_step_4").rename(checkpoints / "global_step_4.tmp")
     # the checkpoint holds the prompts the trained steps took, not those the stream drew ahead
     state = json.loads(
         (tmp_path / "killed" / "checkpoints" / "global_step_2" / "trainer_state.json").read_text()
