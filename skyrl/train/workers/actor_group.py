@@ -294,14 +294,7 @@ class ActorGroup:
         ) | kwargs
         calls = []
         for rank, actor in enumerate(self.actors):
-            lists: dict[ray.ObjectRef, int] = {}
-            picks = [
-                [
-                    (lists.setdefault(ref, len(lists)), position)
-                    for ref, position in mini.slots(rank // self.sp_size)
-                ]
-                for mini in staged
-            ]
+            lists, picks = MeshDispatch.call_args(staged, rank // self.sp_size)
             calls.append(getattr(actor, method).remote(*lists, picks=picks, **extra))
         return self._get(calls, method)
 

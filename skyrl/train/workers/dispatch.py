@@ -4,7 +4,8 @@ Per mini-batch: slice, pad to a multiple of the DP size with loss-masked rows,
 assign rows to ranks (`split_train_data_by_dp`'s rule: strided, or sequence-length
 balanced). Each rank's parts of every mini-batch go into the Ray object store
 together, as one list (a `ray.put` costs ~1 ms whatever its size: one per rank,
-not one per rank and mini-batch). A step stages the forward fields once per (DP
+not one per rank and mini-batch; the delayed split puts one list for every rank),
+and a call hands each rank those lists and where its parts sit in them. A step stages the forward fields once per (DP
 size, boundaries) and reuses them for every forward pass and epoch; fields known
 later (advantages, old logprobs) are staged once more with the same rows and
 travel as a separate part. Per-row outputs come back in the original row order
@@ -60,8 +61,8 @@ class StagedMiniBatch:
 def _put_parts(
     padded: Sequence[TrainingInputBatch], rows: Sequence[list[list[int]]], delayed: bool
 ) -> tuple[list[list[Slot]], list[int]]:
-    """Every mini-batch of `padded` split by its `rows` (or whole, `delayed`), one put per rank: per
-    mini-batch its slots by rank, and the bytes put for it."""
+    """Every mini-batch of `padded` split by its `rows`, one put per rank (or whole, `delayed`: one put):
+    per mini-batch its slots by rank, and the bytes put for it."""
     shares = [  # compact: a view would put the whole storage it views
         [share.compact() for share in ([mini] if delayed else [mini.select_rows(r) for r in split])]
         for mini, split in zip(padded, rows, strict=True)
@@ -114,6 +115,8 @@ class MeshDispatch:
     def add_fields(staged: Sequence[StagedMiniBatch], data: TrainingInputBatch) -> list[StagedMiniBatch]:
         """`staged` with the fields of `data` (same rows as when staged) put as one more part,
         padded and split exactly like the first; `staged` itself is unchanged."""
+        layouts = {(mini.delayed, len(mini.rows)) for mini in staged}
+        assert len(layouts) <= 1, f"add_fields to mini-batches staged for different layouts: {layouts}"
         data = _fields_only(data)
         padded = []
         for mini in staged:
@@ -124,6 +127,19 @@ class MeshDispatch:
             replace(mini, parts=[*mini.parts, part], nbytes=mini.nbytes + size)
             for mini, part, size in zip(staged, slots, nbytes, strict=True)
         ]
+
+    @staticmethod
+    def call_args(
+        staged: Sequence[StagedMiniBatch], dp_rank: int
+    ) -> tuple[list[ray.ObjectRef], list[list[tuple[int, int]]]]:
+        """What rank `dp_rank`'s call over `staged` takes: the distinct staged lists that hold its parts,
+        and per mini-batch the (list, position) of each group of fields (`FSDPWorker.rank_rows`'s picks)."""
+        lists: dict[ray.ObjectRef, int] = {}
+        picks = [
+            [(lists.setdefault(ref, len(lists)), position) for ref, position in mini.slots(dp_rank)]
+            for mini in staged
+        ]
+        return list(lists), picks
 
     @staticmethod
     def gather(

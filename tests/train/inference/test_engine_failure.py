@@ -18,8 +18,9 @@ LOOP_PROMPT = [1, 20, 21]
 def test_killed_engine_fails_requests_clearly_and_restarts_with_current_weights(
     ray_cluster, tiny_model_path, reference_model
 ):
-    """On vLLM; the hf engine's death and restart with the current weights are the next tests' subject,
-    through the same client code."""
+    """On vLLM. The hf engine's automatic restart with the current weights is the next tests' subject,
+    through the same client code; a dead engine with no restarts left and `restart_engine` called by
+    hand are checked on vLLM only."""
     client = start_client("vllm", tiny_model_path)
     try:
         perturbed = perturbed_copy(reference_model, seed=3)

@@ -1,8 +1,11 @@
+import ray
 import torch
 
+from skyrl.train.schema import TrainerConfig
 from skyrl.train.training_batch import TrainingInputBatch, partition_rows
 from skyrl.train.utils.data import split_train_data_by_dp
 from skyrl.train.workers.dispatch import MeshDispatch
+from skyrl.train.workers.fsdp_worker import PolicyWorker
 
 
 def numbered_batch(n: int) -> TrainingInputBatch:
@@ -80,3 +83,30 @@ def test_delayed_and_driver_side_splits_give_each_rank_the_rows_of_split_train_d
             for rank in range(2):
                 own = whole.select_rows(partition_rows(whole, 2, balance)[rank])  # the worker's `_own_part`
                 assert torch.equal(own["row"], mini_eager.fetch(rank)["row"]), (balance, rank)
+
+
+def test_each_rank_gets_its_rows_of_every_mini_batch_and_group_of_fields_from_one_list_per_rank(ray_cluster):
+    """What a call hands rank r (`call_args`: the staged lists and the picks) is what the worker reads
+    (`rank_rows`): its rows of each mini-batch, in order, with the fields staged later beside them."""
+    batch = numbered_batch(11)
+    bounds = [(0, 4), (4, 7), (7, 11)]  # the middle one needs a pad row for dp=2
+    later = TrainingInputBatch({"later": 100 * torch.arange(11).float()[:, None]})
+    cfg = TrainerConfig()
+    cfg.placement.cpus_per_worker = torch.get_num_threads()  # a worker sets its process's threads
+    for delay_split in (False, True):
+        staged = MeshDispatch.add_fields(
+            MeshDispatch.stage_chunks(2, batch, bounds, delay_split=delay_split), later
+        )
+        for rank in range(2):
+            lists, picks = MeshDispatch.call_args(staged, rank)
+            assert len(lists) == 2  # one list per group of fields, whatever the number of mini-batches
+            worker = PolicyWorker(cfg, rank, 2, "unused")  # rank_rows only: no model, no process group
+            minis = worker.rank_rows(ray.get(lists), picks, 2 if delay_split else None)
+            for mini, part in zip(staged, minis, strict=True):
+                rows = mini.rows[rank]
+                real = [i for i, row in enumerate(rows) if row < mini.end - mini.start]
+                expected = [mini.start + rows[i] for i in real]
+                assert part["row"][real, 0].tolist() == expected, (delay_split, rank)
+                assert part["later"][real, 0].tolist() == [100 * e for e in expected], (delay_split, rank)
+                pads = [i for i in range(len(rows)) if i not in real]
+                assert part["loss_mask"][pads].sum() == 0, (delay_split, rank)
