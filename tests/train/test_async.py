@@ -13,9 +13,8 @@ from skyrl.train.generator.stream import episode_staleness
 from skyrl.train.sampler import load_datasets
 from skyrl.train.trainer import Trainer
 from skyrl.train.utils.tracking import read_metrics
-from skyrl.train.workers.persistence import CHECKPOINT_DONE
 from tests.metrics_reference import assert_documented
-from tests.train.test_trainer import SMALL, assert_learns, learning
+from tests.train.test_trainer import SMALL, assert_learns, killed_while_saving, learning
 
 ASYNC = [*SMALL, "placement=disaggregated"]
 
@@ -158,9 +157,7 @@ def test_resume_mid_run_with_async_continues_the_same_run(ahead_run, tiny_model_
     step 2's (saved while the stream had drawn ahead), it takes the straight run's prompts."""
     _, straight_steps, straight_dir = ahead_run
     shutil.copytree(straight_dir, tmp_path / "killed")
-    checkpoints = tmp_path / "killed" / "checkpoints"
-    (checkpoints / "global_step_4" / CHECKPOINT_DONE).unlink()
-    (checkpoints / "global_step_4").rename(checkpoints / "global_step_4.tmp")
+    killed_while_saving(tmp_path / "killed" / "checkpoints" / "global_step_4")
     # the checkpoint holds the prompts the trained steps took, not those the stream drew ahead
     state = json.loads(
         (tmp_path / "killed" / "checkpoints" / "global_step_2" / "trainer_state.json").read_text()

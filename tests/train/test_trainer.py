@@ -104,6 +104,12 @@ def assert_learns(history: list[dict[str, float]], before: float | None = None) 
     assert end > start + margin, rewards
 
 
+def killed_while_saving(checkpoint: Path) -> None:
+    """`checkpoint` as a run killed while writing it leaves it: incomplete, so a resume skips it."""
+    (checkpoint / CHECKPOINT_DONE).unlink()
+    checkpoint.rename(checkpoint.with_name(checkpoint.name + ".tmp"))
+
+
 def build(cfg, run_dir, model_path, cls=Trainer) -> Trainer:
     """A trainer for `cfg` on the datasets `cfg` names, as `python -m skyrl.train` builds it."""
     return cls(cfg, run_dir, str(model_path), load_datasets(cfg, AutoTokenizer.from_pretrained(model_path)))
@@ -258,8 +264,7 @@ def test_resume_after_a_kill_continues_like_an_uninterrupted_run(ppo_run, tiny_m
     state = json.loads((step_2 / "trainer_state.json").read_text())
     assert state.keys() == {"step", "weight_version", "loader", "kl_coef", "reward_moments"}
     assert state["reward_moments"]["turns"]["count"] == 2 * 16  # two steps of 4 prompts x 4 samples
-    (checkpoints / "global_step_4" / CHECKPOINT_DONE).unlink()
-    (checkpoints / "global_step_4").rename(checkpoints / "global_step_4.tmp")
+    killed_while_saving(checkpoints / "global_step_4")
     trainer = build(compose_config(common), tmp_path / "died", tiny_model_path, SignalledMidStep)
     handler = signal.getsignal(signal.SIGTERM)
     try:
