@@ -38,11 +38,13 @@ def serving(model_path, cfg) -> Iterator:
 
 
 def memorise(path, conversations) -> None:
-    """Train the model at `path` until greedy decoding gives each (prompt ids, response ids) response."""
+    """Train the model at `path` until greedy decoding gives each (prompt ids, response ids) response
+    with a margin: every response token at probability 0.9 or more. An argmax won by a hair (at
+    lr 1e-2 the judge's "7" and "2" stalled at 0.5 each) flipped in an engine's batched forward."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     for _ in range(500):
         loss, learnt = 0.0, True
         for prompt, response in conversations:
@@ -50,7 +52,7 @@ def memorise(path, conversations) -> None:
             logits = model(ids).logits[0, len(prompt) - 1 : -1]
             target = ids[0, len(prompt) :]
             loss = loss + torch.nn.functional.cross_entropy(logits, target)
-            learnt &= bool((logits.argmax(-1) == target).all())
+            learnt &= bool((logits.softmax(-1).gather(1, target[:, None]) >= 0.9).all())
         if learnt:
             break
         optimizer.zero_grad()
