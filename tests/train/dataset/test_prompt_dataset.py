@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from skyrl.envs import guess_number
-from skyrl.train.dataset.prompt_dataset import PromptDataset, PromptLoader, parse_rows, prompt_length
+from skyrl.train.dataset.prompt_dataset import PromptDataset, PromptLoader, parse_rows
 
 ROWS = [
     {"prompt": [{"role": "user", "content": "What is 2 + 2?"}], "env_class": "math", "answer": "4"},
@@ -60,11 +60,15 @@ def test_missing_local_file_with_a_data_suffix_is_an_error(tmp_path):
 
 def test_over_long_prompts_are_filtered_and_counted(tiny_model_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    records = [{"prompt": "hi"}, {"prompt": "hi " * 200}, {"prompt": "a b c"}]
-    limit = prompt_length(tokenizer, [{"role": "user", "content": "a b c"}])
-    ds = PromptDataset.from_records(records, tokenizer, max_prompt_length=limit)
-    assert [r.index for r in ds.rows] == [0, 2]
+    records = [{"prompt": "hi"}, {"prompt": "hi " * 200}, {"prompt": "a b c"}, {"prompt": "a b c"}]
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "a b c"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    ds = PromptDataset.from_records(records, tokenizer, max_prompt_length=len(rendered))
+    assert [r.index for r in ds.rows] == [0, 2, 3]
     assert ds.num_filtered == 1
+    shorter = PromptDataset.from_records(records, tokenizer, max_prompt_length=len(rendered) - 1)
+    assert [r.index for r in shorter.rows] == [0] and shorter.num_filtered == 3
     with pytest.raises(ValueError, match="no usable prompts"):
         PromptDataset.from_records(records[1:2], tokenizer, max_prompt_length=5)
 
