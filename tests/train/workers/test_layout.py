@@ -176,3 +176,15 @@ def test_units_without_response_tokens_cost_nothing():
     batch = pad_training_input_batch(batch_of(episodes()), 2)
     units = [[i] for i in range(len(batch))]
     assert unit_tokens(batch["attention_mask"], batch["response_mask"], units)[-2:] == [0, 0]
+
+
+def test_a_prefix_group_whose_row_is_not_a_prefix_of_its_longest_is_refused():
+    batch = batch_of(episodes())
+    first = batch.metadata["trajectory_ids"].count("t0")
+    assert first > 1, "the first trajectory has several steps: one prefix group"
+    changed = batch["sequences"].clone()
+    real = batch["attention_mask"][0].bool().nonzero().flatten()
+    changed[0, real[0]] = (changed[0, real[0]] + 1) % 500  # the first step's first token differs
+    args = (batch["attention_mask"], batch["response_mask"], batch["prefix_group"], False)
+    with pytest.raises(AssertionError, match="rows of a prefix group must be prefixes"):
+        build_layout(changed, *args)
