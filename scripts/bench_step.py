@@ -18,9 +18,12 @@ optimizer and cosine schedule.
 
 Both run alone, one after the other, `--steps` steps each; the first `--warmup` steps are left out
 of the medians. Prints each phase's median seconds and share of the step, the start-up figures, and
-last `ratio skyrl/bare` (median seconds per step; the goal is at most 1.2).
+last `ratio skyrl/bare` (median seconds per step; the goal is at most 1.2). `--hidden H --layers L`
+runs both on a larger model of the tiny family (e.g. 512 x 4: 17M parameters against the default's
+0.16M), where the same fixed costs are a smaller share of the step.
 
-Usage: python scripts/bench_step.py [--engine hf|vllm] [--steps 30] [--warmup 3] [--model PATH]
+Usage: python scripts/bench_step.py [--engine hf|vllm] [--steps 30] [--warmup 3]
+                                   [--model PATH | --hidden 512 --layers 4]
 """
 
 from __future__ import annotations
@@ -235,6 +238,28 @@ def report(name: str, startup: float, per_step: list[dict[str, float]], warmup: 
     return steady["step"]
 
 
+def built_model(directory: str, hidden: int | None, layers: int) -> str:
+    """The default tiny model, or (`hidden` set) one of that size written to `directory`."""
+    from skyrl.train.utils.tiny_model import (
+        DEFAULT_INITIALIZER_RANGE,
+        create_tiny_model,
+        default_tiny_model_path,
+    )
+
+    if hidden is None:
+        return str(default_tiny_model_path())
+    return str(
+        create_tiny_model(
+            directory,
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=hidden // 64,
+            intermediate_size=4 * hidden,
+            initializer_range=DEFAULT_INITIALIZER_RANGE,
+        )
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -242,18 +267,21 @@ def main() -> None:
     parser.add_argument("--engine", choices=["hf", "vllm"], default="hf")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--model", help="a model directory (default: the default tiny model)")
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument("--model", help="a model directory (default: the default tiny model)")
+    sizes.add_argument(
+        "--hidden", type=int, help="a tiny model of this hidden size instead (heads of 64, MLP 4x hidden)"
+    )
+    parser.add_argument("--layers", type=int, default=2, help="with --hidden: its layers")
     parser.add_argument("--bare-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.model is None:
-        from skyrl.train.utils.tiny_model import default_tiny_model_path
-
-        args.model = str(default_tiny_model_path())
     if args.bare_worker:
         bare_worker(args.steps, args.model)
         return
-    bare_startup, bare_steps = run_bare(args.steps, args.model)
-    skyrl_startup, skyrl_steps = run_skyrl(args.engine, args.steps, args.model)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or built_model(tmp, args.hidden, args.layers)
+        bare_startup, bare_steps = run_bare(args.steps, model)
+        skyrl_startup, skyrl_steps = run_skyrl(args.engine, args.steps, model)
     bare = report("bare", bare_startup, bare_steps, args.warmup)
     ours = report(f"skyrl ({args.engine} engine)", skyrl_startup, skyrl_steps, args.warmup)
     excess = skyrl_steps[0]["step"] - ours
