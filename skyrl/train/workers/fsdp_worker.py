@@ -385,7 +385,10 @@ class FSDPWorker:
         outputs: dict[str, torch.Tensor] = {}
         micro_batches = self._micro_batches(data, self.cfg.micro_forward_batch_size_per_gpu)
         # row indices too: a CPU index into a device tensor would be copied (and waited for) per micro-batch
-        layouts = [(torch.tensor(rows, device=self.device), self._layout(mb)) for rows, mb in micro_batches]
+        layouts = [
+            (torch.tensor(rows, dtype=torch.long, device=self.device), self._layout(mb))
+            for rows, mb in micro_batches
+        ]
         with contextlib.nullcontext() if adapters or self.lora is None else adapters_disabled(self.model):
             for indices, layout in layouts:
                 for key, value in self._output(layout).items():

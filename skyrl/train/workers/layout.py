@@ -192,7 +192,7 @@ def build_layout(
     wanted = cols < response_lengths[:, None]
     rows = torch.arange(n)[:, None].expand(n, width)[wanted]
     cols = cols[wanted]
-    index = torch.tensor(row_start)[rows] + prompt_lengths[rows] - 1 + cols
+    index = torch.tensor(row_start, dtype=torch.long)[rows] + prompt_lengths[rows] - 1 + cols
     targets = sequences[:, prompt_width:][wanted]
     bounds = {}
     if packed:

@@ -188,3 +188,12 @@ def test_a_prefix_group_whose_row_is_not_a_prefix_of_its_longest_is_refused():
     args = (batch["attention_mask"], batch["response_mask"], batch["prefix_group"], False)
     with pytest.raises(AssertionError, match="rows of a prefix group must be prefixes"):
         build_layout(changed, *args)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["trimmed", "packed"])
+def test_an_empty_micro_batch_lays_out_one_pad_token_and_no_position(model, packed):
+    """A rank with fewer micro-batches than another runs empty ones (every rank runs as many forwards)."""
+    empty = torch.zeros(0, 7, dtype=torch.long)
+    layout = build_layout(empty, empty, torch.zeros(0, 4, dtype=torch.long), None, packed)
+    assert layout.input_ids.shape == (1, 1) and layout.index.numel() == 0
+    assert layout_logprobs(model, layout).shape == (0, 4)
