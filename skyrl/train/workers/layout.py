@@ -184,8 +184,12 @@ def build_layout(
                 _check_prefix(
                     sequences[i][attention_mask[i].bool()], sequences[longest][attention_mask[longest].bool()]
                 )
-    assert bool((prompt_lengths[response_lengths > 0] >= 1).all()), (
+    scored = response_lengths > 0
+    assert bool((prompt_lengths[scored] >= 1).all()), (
         "a row with response tokens needs at least one context token"
+    )
+    assert bool((attention_mask.sum(-1)[scored] <= (prompt_lengths + response_lengths)[scored]).all()), (
+        "a row's attended tokens must end with its response tokens"
     )
     # every row's real response tokens (the first of its response part), row by row
     cols = torch.arange(width).expand(n, width)

@@ -197,3 +197,12 @@ def test_an_empty_micro_batch_lays_out_one_pad_token_and_no_position(model, pack
     layout = build_layout(empty, empty, torch.zeros(0, 4, dtype=torch.long), None, packed)
     assert layout.input_ids.shape == (1, 1) and layout.index.numel() == 0
     assert layout_logprobs(model, layout).shape == (0, 4)
+
+
+def test_a_row_attending_past_its_scored_response_tokens_is_refused():
+    batch = batch_of(episodes())
+    response_mask = batch["response_mask"].clone()
+    row = int((response_mask.sum(-1) >= 2).nonzero()[0])
+    response_mask[row, int(response_mask[row].sum()) - 1] = 0  # its last response token: attended, not scored
+    with pytest.raises(AssertionError, match="attended tokens must end with its response tokens"):
+        build_layout(batch["sequences"], batch["attention_mask"], response_mask, None, False)
