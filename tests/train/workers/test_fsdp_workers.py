@@ -91,6 +91,41 @@ def test_forward_logprobs_match_a_plain_hf_forward_of_each_unpadded_row(policy_d
         torch.testing.assert_close(logprobs[i, :n], row_logprobs(model, batch, i), rtol=1e-4, atol=1e-5)
 
 
+def test_a_rank_with_fewer_micro_batches_runs_empty_ones_and_both_compute_their_rows(
+    policy_dp2, tiny_model_path
+):
+    """Rank 0 holds one prefix group (one unit), rank 1 as many rows alone: at one row per micro-batch
+    rank 0 pads its forwards and its optimizer step with empty micro-batches, as many as rank 1 runs."""
+    cfg = ray.get(policy_dp2.actors[0].__ray_call__.remote(lambda worker: worker.cfg))
+    batch, _ = stepwise_batch(512, share_prefixes=True)
+    batch["old_logprobs"] = torch.zeros_like(batch["advantages"])
+    groups = batch["prefix_group"].tolist()
+    shared = max(set(groups), key=groups.count)
+    group_rows = [i for i, g in enumerate(groups) if g == shared]
+    alone = [groups.index(g) for g in dict.fromkeys(groups) if g != shared][: len(group_rows)]  # one a group
+    assert len(group_rows) > 1 and len(alone) == len(group_rows)
+    parts = [batch.select_rows(group_rows), batch.select_rows(alone)]
+
+    def each_rank(method):  # every rank's call on its own rows
+        calls = [getattr(actor, method).remote(p) for actor, p in zip(policy_dp2.actors, parts, strict=True)]
+        return ray.get(calls, timeout=60)
+
+    policy_dp2.reconfigure(replace(cfg, micro_forward_batch_size_per_gpu=1, micro_train_batch_size_per_gpu=1))
+    try:
+        outputs, metrics = each_rank("forward"), each_rank("train_mini_batch")
+    except BaseException:
+        policy_dp2.kill()  # a rank left waiting in a collective would hang the module's next calls
+        raise
+    policy_dp2.reconfigure(cfg)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    for part, output in zip(parts, outputs, strict=True):
+        for i in range(len(part)):
+            n = int(part["response_mask"][i].sum())
+            expected = row_logprobs(model, part, i)
+            torch.testing.assert_close(output["logprobs"][i, :n], expected, rtol=1e-4, atol=1e-5)
+    assert metrics[0] == metrics[1] and math.isfinite(metrics[0]["loss"]) and metrics[0]["grad_norm"] > 0
+
+
 def test_checkpoint_round_trip_resumes_exactly_and_skips_half_written(policy_dp2, tiny_model_path, tmp_path):
     policy_dp2.run("init_model")
     batch, bounds = stepwise_batch(512)
