@@ -275,6 +275,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2, help="with --hidden: its layers")
     parser.add_argument("--bare-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.hidden is None and args.layers != parser.get_default("layers"):
+        parser.error("--layers sizes the model --hidden builds; give --hidden too")
+    if args.hidden is not None and (args.hidden < 64 or args.hidden % 64):
+        parser.error(
+            f"--hidden {args.hidden}: give a multiple of 64 (its attention heads have 64 dimensions)"
+        )
     if args.bare_worker:
         bare_worker(args.steps, args.model)
         return
