@@ -176,14 +176,17 @@ def build_layout(
         position_ids[0, : len(tokens)] = within
     prompt_lengths = attention_mask[:, :prompt_width].sum(-1)
     response_lengths = response_mask.sum(-1)
+    scored_rows = response_lengths.tolist()
     row_start = [0] * n  # the start of each row's unit
     for (unit, longest, _), start in zip(kept, starts.tolist(), strict=True):
         for i in unit:
             row_start[i] = start
-            if i != longest and response_lengths[i]:
-                _check_prefix(
-                    sequences[i][attention_mask[i].bool()], sequences[longest][attention_mask[longest].bool()]
-                )
+        if len(unit) > 1:  # the group's other rows must be prefixes of its longest one
+            whole = sequences[longest][attention_mask[longest].bool()]
+            for i in unit:
+                if i != longest and scored_rows[i]:
+                    real = sequences[i][attention_mask[i].bool()]
+                    assert torch.equal(real, whole[: len(real)]), "rows of a prefix group must be prefixes"
     scored = response_lengths > 0
     assert bool((prompt_lengths[scored] >= 1).all()), (
         "a row with response tokens needs at least one context token"
@@ -203,8 +206,3 @@ def build_layout(
         cu_seqlens = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         bounds = {"cu_seqlens": cu_seqlens, "max_length": max(lengths)}
     return TokenLayout(input_ids, position_ids, index, targets, rows, cols, n, width, **bounds)
-
-
-def _check_prefix(real: torch.Tensor, longest: torch.Tensor) -> None:
-    """A prefix group's row (its real tokens) against the group's longest row."""
-    assert torch.equal(real, longest[: len(real)]), "rows of a prefix group must be prefixes"
