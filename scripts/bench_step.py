@@ -15,20 +15,25 @@ optimizer and cosine schedule.
   temperature 1) on the model being trained, the env's rewards, group-normalised advantages, a
   no-grad forward for the old logprobs, then 8 mini-batches of the PPO-clip loss (token mean) with
   gradient clipping and AdamW. Its weights need no sync.
+- trl (`--trl`): TRL's `GRPOTrainer` (the `dev` extra's trl) in a fresh process, on the same work
+  as the bare loop, HF `generate` in its process; a step is one generation and its 8 optimizer
+  steps. Start-up: from the process's start to its first optimizer step's start.
 
-Both run alone, one after the other, `--steps` steps each; the first `--warmup` steps are left out
-of the medians. Prints each phase's median seconds and share of the step, the start-up figures, and
-last `ratio skyrl/bare` (median seconds per step; the goal is at most 1.2). `--hidden H --layers L`
-runs both on a larger model of the tiny family (e.g. 512 x 4: 17M parameters against the default's
-0.16M), where the same fixed costs are a smaller share of the step.
+Each runs alone, one after the other, `--steps` steps each; the first `--warmup` steps are left out
+of the medians. Prints each phase's median seconds and share of the step, the start-up figures, with
+`--trl` `ratio skyrl/trl`, and last `ratio skyrl/bare` (median seconds per step; the goal is at most
+1.2). `--hidden H --layers L` runs them on a larger model of the tiny family (e.g. 512 x 4: 17M
+parameters against the default's 0.16M), where the same fixed costs are a smaller share of the step.
 
-Usage: python scripts/bench_step.py [--engine hf|vllm] [--steps 30] [--warmup 3]
+Usage: python scripts/bench_step.py [--engine hf|vllm] [--steps 30] [--warmup 3] [--trl]
                                    [--model PATH | --hidden 512 --layers 4]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import itertools
 import json
 import os
 import statistics
@@ -104,15 +109,17 @@ def run_skyrl(engine: str, steps: int, model: str) -> tuple[float, list[dict[str
     return arrivals[0] - per_step[0]["step"] - start, per_step
 
 
-def run_bare(steps: int, model: str) -> tuple[float, list[dict[str, float]]]:
-    """The bare loop in a fresh process: seconds from its start to its first step, per-step phases."""
+def run_in_process(side: str, steps: int, model: str) -> tuple[float, list[dict[str, float]]]:
+    """The bare loop (`side` bare) or TRL's trainer (trl) in a fresh process: seconds from its start to
+    its first step, per-step phases."""
     start = time.time()
     out = subprocess.run(
-        [sys.executable, __file__, "--bare-worker", "--steps", str(steps), "--model", model],
-        check=True,
+        [sys.executable, __file__, f"--{side}-worker", "--steps", str(steps), "--model", model],
         capture_output=True,
         text=True,
     )
+    if out.returncode:
+        sys.exit(f"{side} run failed ({out.returncode}):\n{out.stderr[-3000:]}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
     return result["first_step_at"] - start, result["steps"]
 
@@ -225,6 +232,82 @@ def bare_worker(steps: int, model_path: str) -> None:
     print(json.dumps({"first_step_at": first_step_at, "steps": timings}))
 
 
+def trl_worker(steps: int, model_path: str) -> None:
+    """TRL's `GRPOTrainer` on the same workload (in-process HF `generate`, the env's rewards, `SAMPLES`
+    per prompt, `MINI_BATCH_PROMPTS` prompts per optimizer step, one iteration, the same LR schedule,
+    clip and gradient clipping, token-mean loss (`dapo`), no KL, fp32); prints a JSON line like
+    `bare_worker`'s, a step being one generation and its optimizer steps."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    sys.path.insert(0, str(EXAMPLE))
+    from my_env import RepeatWordEnv
+
+    torch.set_num_threads(THREADS)
+    rows = [json.loads(line) for line in (EXAMPLE / "prompts.jsonl").read_text().splitlines()]
+    dataset = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": r["prompt"]}], "word": r["word"]} for r in rows]
+    )
+
+    def reward(completions: list, word: list[str], **_: object) -> list[float]:
+        texts = [c[0]["content"] for c in completions]
+        return [RepeatWordEnv({}, {"word": w}).step(t).reward for t, w in zip(texts, word, strict=True)]
+
+    optimizer_steps = PROMPTS // MINI_BATCH_PROMPTS
+    first_step_at: list[float] = []  # the first optimizer step's start (the first generation is in it)
+    ends: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs) -> None:
+            if not first_step_at:
+                first_step_at.append(time.time())
+
+        def on_step_end(self, args, state, control, **kwargs) -> None:
+            ends.append(time.time())
+
+    with tempfile.TemporaryDirectory() as output_dir:
+        config = GRPOConfig(
+            output_dir=output_dir,
+            per_device_train_batch_size=MINI_BATCH_PROMPTS * SAMPLES,
+            steps_per_generation=optimizer_steps,
+            num_generations=SAMPLES,
+            max_completion_length=MAX_TOKENS,
+            num_iterations=1,
+            learning_rate=LR,
+            lr_scheduler_type="cosine_with_min_lr",
+            lr_scheduler_kwargs={"min_lr_rate": MIN_LR_RATIO},
+            weight_decay=0.0,
+            epsilon=CLIP,
+            beta=0.0,
+            loss_type="dapo",
+            max_grad_norm=MAX_GRAD_NORM,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            use_cpu=True,
+            bf16=False,
+            max_steps=optimizer_steps * steps,
+            logging_steps=optimizer_steps * steps,
+            save_strategy="no",
+            report_to=[],
+            disable_tqdm=True,
+            seed=0,
+        )
+        trainer = GRPOTrainer(
+            model=AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
+            reward_funcs=reward,
+            args=config,
+            train_dataset=dataset,
+            processing_class=AutoTokenizer.from_pretrained(model_path),
+            callbacks=[Clock()],
+        )
+        trainer.train()
+    starts = [first_step_at[0], *ends[optimizer_steps - 1 :: optimizer_steps]]
+    timings = [{"step": end - begin} for begin, end in itertools.pairwise(starts)]
+    print(json.dumps({"first_step_at": first_step_at[0], "steps": timings}))
+
+
 def medians(per_step: list[dict[str, float]]) -> dict[str, float]:
     return {key: statistics.median(step[key] for step in per_step) for key in per_step[0]}
 
@@ -234,7 +317,7 @@ def report(name: str, startup: float, per_step: list[dict[str, float]], warmup: 
     steady = medians(per_step[warmup:])
     shares = ", ".join(f"{k} {v:.3f} s ({v / steady['step']:.0%})" for k, v in steady.items() if k != "step")
     print(f"{name}: start-up {startup:.1f} s to the first step; first step {per_step[0]['step']:.2f} s")
-    print(f"{name}: median step {steady['step']:.3f} s = {shares}")
+    print(f"{name}: median step {steady['step']:.3f} s" + (f" = {shares}" if shares else ""))
     return steady["step"]
 
 
@@ -273,27 +356,37 @@ def main() -> None:
         "--hidden", type=int, help="a tiny model of this hidden size instead (heads of 64, MLP 4x hidden)"
     )
     parser.add_argument("--layers", type=int, default=2, help="with --hidden: its layers")
+    parser.add_argument(
+        "--trl", action="store_true", help="also run TRL's GRPOTrainer on the same work (the dev extra's trl)"
+    )
     parser.add_argument("--bare-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.trl and importlib.util.find_spec("trl") is None:
+        parser.error("--trl needs TRL, which is not installed: pip install -e '.[dev]'")
     if args.hidden is None and args.layers != parser.get_default("layers"):
         parser.error("--layers sizes the model --hidden builds; give --hidden too")
     if args.hidden is not None and (args.hidden < 64 or args.hidden % 64):
         parser.error(
             f"--hidden {args.hidden}: give a multiple of 64 (its attention heads have 64 dimensions)"
         )
-    if args.bare_worker:
-        bare_worker(args.steps, args.model)
+    if args.bare_worker or args.trl_worker:
+        (bare_worker if args.bare_worker else trl_worker)(args.steps, args.model)
         return
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or built_model(tmp, args.hidden, args.layers)
-        bare_startup, bare_steps = run_bare(args.steps, model)
+        bare_startup, bare_steps = run_in_process("bare", args.steps, model)
         skyrl_startup, skyrl_steps = run_skyrl(args.engine, args.steps, model)
+        trl_run = run_in_process("trl", args.steps, model) if args.trl else None
     bare = report("bare", bare_startup, bare_steps, args.warmup)
     ours = report(f"skyrl ({args.engine} engine)", skyrl_startup, skyrl_steps, args.warmup)
     excess = skyrl_steps[0]["step"] - ours
     print(
         f"skyrl ({args.engine} engine): start-up + first step's excess over the median {skyrl_startup + excess:.1f} s"
     )
+    if trl_run is not None:
+        trl = report("trl", *trl_run, args.warmup)
+        print(f"ratio skyrl/trl {ours / trl:.3f}")
     print(f"ratio skyrl/bare {ours / bare:.3f}")
 
 
