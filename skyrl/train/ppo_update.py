@@ -6,6 +6,11 @@ over a step's `StepBatch`: the forwards fill `old_logprobs`, `ref_logprobs` and
 controller's coefficient is its checkpointed state), the estimator and the off-policy
 correction; `train` runs `update_epochs_per_batch` passes of one optimizer step per
 mini-batch, critic first, and stops the run after too many non-finite steps in a row.
+
+A step of one optimizer step (one mini-batch, one epoch) whose advantages do not read the old
+logprobs (no KL penalty in the reward, no off-policy correction) skips the policy's forward: its
+training forward runs on the same weights, so the policy worker takes its own logprobs as the old
+ones (`PolicyWorker`), and reports the rollout logprob gap and the KL of the old logprobs itself.
 """
 
 from __future__ import annotations
@@ -52,11 +57,24 @@ class PPOUpdate:
         self.kl_ctrl.value = state["kl_coef"]
         self._skipped_in_a_row = {"policy": 0, "critic": 0}
 
+    def one_optimizer_step(self, step: StepBatch) -> bool:
+        """Whether `step` trains the policy in one optimizer step and nothing before it reads the old
+        logprobs: then the training forward gives them (see the module docstring)."""
+        trainer, algorithm = self.cfg.trainer, self.cfg.trainer.algorithm
+        return (
+            trainer.update_epochs_per_batch == 1
+            and len(step.bounds(trainer.policy_mini_batch_size)) == 1
+            and not algorithm.use_kl_in_reward
+            and algorithm.off_policy_correction == "none"
+        )
+
     def forward(self, step: StepBatch) -> None:
-        """Old policy logprobs, reference logprobs and critic values of every row, into `step.rows`."""
+        """Old policy logprobs (unless `one_optimizer_step`), reference logprobs and critic values of every
+        row, into `step.rows`."""
         trainer, groups, rows = self.cfg.trainer, self.groups, step.rows
         policy_staged = step.stage(groups.policy, trainer.policy_mini_batch_size)
-        rows["old_logprobs"] = groups.policy.forward(policy_staged)["logprobs"]
+        if not self.one_optimizer_step(step):
+            rows["old_logprobs"] = groups.policy.forward(policy_staged)["logprobs"]
         if groups.ref is not None:
             staged = step.stage(groups.ref, trainer.policy_mini_batch_size)
             rows["ref_logprobs"] = groups.ref.forward(staged)["logprobs"]
@@ -71,7 +89,7 @@ class PPOUpdate:
         algorithm = self.cfg.trainer.algorithm
         metrics: dict[str, float] = {}
         rewards = batch["rewards"]
-        if "ref_logprobs" in batch:
+        if "ref_logprobs" in batch and "old_logprobs" in batch:  # else the policy worker reports it
             kl = kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], algorithm.kl_estimator)
             metrics["kl/mean"] = float(masked_mean(kl, batch["loss_mask"]))
             if algorithm.use_kl_in_reward:
@@ -106,9 +124,10 @@ class PPOUpdate:
             )
         batch["advantages"], batch["returns"] = advantages, returns
         metrics["advantages/mean"] = float(masked_mean(advantages, batch["loss_mask"]))
-        # engine vs trainer logprobs of the same tokens: large means stale engine weights or a mismatch
-        logprob_gap = (batch["rollout_logprobs"] - batch["old_logprobs"]).abs()
-        metrics["policy/rollout_logprob_gap"] = float(masked_mean(logprob_gap, batch["loss_mask"]))
+        if "old_logprobs" in batch:  # else the policy worker reports it
+            # engine vs trainer logprobs of the same tokens: large means stale engine weights or a mismatch
+            logprob_gap = (batch["rollout_logprobs"] - batch["old_logprobs"]).abs()
+            metrics["policy/rollout_logprob_gap"] = float(masked_mean(logprob_gap, batch["loss_mask"]))
         if algorithm.off_policy_correction != "none":
             batch["is_weights"], batch["loss_mask"], is_metrics = off_policy_correction(
                 batch["old_logprobs"],
@@ -127,7 +146,9 @@ class PPOUpdate:
         """`update_epochs_per_batch` passes over the mini-batches: critic, then policy, one optimizer
         step per mini-batch; metrics over all of them (`combine_optimizer_steps`)."""
         trainer, groups, rows = self.cfg.trainer, self.groups, step.rows
-        policy_fields = ["loss_mask", "old_logprobs", "advantages"]
+        # without old logprobs (`one_optimizer_step`) the worker compares its own with the engine's
+        old = "old_logprobs" if "old_logprobs" in rows else "rollout_logprobs"
+        policy_fields = ["loss_mask", old, "advantages"]
         if trainer.algorithm.use_kl_loss:
             policy_fields.append("ref_logprobs")
         if "is_weights" in rows:
@@ -148,6 +169,8 @@ class PPOUpdate:
                 self._skipped_in_a_row[role], steps, role, trainer.max_consecutive_skipped_steps
             )
         metrics = {f"policy/{k}": v for k, v in combine_optimizer_steps(history).items()}
+        if "policy/old_kl" in metrics:  # the worker's, from the old logprobs it computed
+            metrics["kl/mean"] = metrics.pop("policy/old_kl")
         if critic_history:
             metrics |= {f"critic/{k}": v for k, v in combine_optimizer_steps(critic_history).items()}
         return metrics

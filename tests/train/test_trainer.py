@@ -580,6 +580,63 @@ def test_dp2_layouts_give_the_same_training_through_the_trainer(ray_cluster, tin
         assert a["policy/grad_norm"] > 0
 
 
+class CountsPolicyForwards(Trainer):
+    """Counts the policy group's forward calls (`forwards`); with `separate`, computes the old logprobs in a
+    forward of their own even when a step is one optimizer step."""
+
+    separate = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.forwards, forward = 0, self.policy.forward
+
+        def counted(*args, **kwargs):
+            self.forwards += 1
+            return forward(*args, **kwargs)
+
+        self.policy.forward = counted
+        if self.separate:
+            self.update.one_optimizer_step = lambda step: False
+
+
+class SeparateForward(CountsPolicyForwards):
+    separate = True
+
+
+def test_one_optimizer_step_trains_on_its_own_logprobs_like_on_a_separate_forward(
+    ray_cluster, tiny_model_path, tmp_path
+):
+    """A step of one mini-batch and one epoch skips the policy's forward: the run equals one that
+    computes the old logprobs first, and the gap and KL metrics of them come from the policy worker."""
+    cfg = compose_config(
+        [
+            *SMALL,
+            GREEDY,
+            "trainer.total_steps=2",
+            "trainer.policy_mini_batch_size=4",
+            "trainer.update_epochs_per_batch=1",
+            "trainer.algorithm.use_kl_loss=true",
+            "algorithm=reinforce_pp",  # shaped rewards whitened over the batch: non-zero advantages
+            "environment.config.guess_number.shaped=true",
+        ]
+    )
+    runs = []
+    for cls in (CountsPolicyForwards, SeparateForward):
+        trainer = build(cfg, tmp_path / cls.__name__, tiny_model_path, cls)
+        try:
+            runs.append(trainer.fit())
+        finally:
+            trainer.shutdown()
+        assert trainer.forwards == (2 if cls.separate else 0)
+        assert_documented(runs[-1])
+    for a, b in zip(*runs, strict=True):
+        assert a["policy/optimizer_steps"] == 1 and a["reward/mean"] == b["reward/mean"]
+        for key in ("policy/loss", "policy/grad_norm", "policy/kl_loss", "kl/mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+        assert 0 < a["policy/rollout_logprob_gap"] < 1e-4
+    assert runs[0][-1]["kl/mean"] > 1e-4 and runs[0][-1]["policy/grad_norm"] > 0
+
+
 def test_pad_fraction_counts_the_rows_added_to_reach_the_dp_size():
     from skyrl.train.step_batch import pad_fraction
 

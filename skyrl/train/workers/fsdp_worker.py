@@ -543,6 +543,10 @@ class TrainableWorker(FSDPWorker, abc.ABC):
         run_steps = self.cfg.optimizer_steps(getattr(self.cfg, f"{self.role}_mini_batch_size"))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(opt, run_steps))
 
+    def _complete(self, data: TrainingInputBatch) -> TrainingInputBatch:
+        """This rank's share of a mini-batch with what its loss reads and the driver did not send."""
+        return data
+
     @abc.abstractmethod
     def _loss(
         self, mb: TrainingInputBatch, layout: TokenLayout, scale: torch.Tensor
@@ -573,7 +577,7 @@ class TrainableWorker(FSDPWorker, abc.ABC):
         A non-finite loss or gradient norm skips the step: weights, optimizer state, LR schedule and
         `global_step` stay as they were, and `skipped_steps` is 1.
         """
-        data = self._own_part(TrainingInputBatch.merge(parts), dp_size, balance, cost_weight)
+        data = self._complete(self._own_part(TrainingInputBatch.merge(parts), dp_size, balance, cost_weight))
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         counts = reduction_counts(data["loss_mask"]).to(self.device)
@@ -641,18 +645,40 @@ class TrainableWorker(FSDPWorker, abc.ABC):
 
 
 class PolicyWorker(TrainableWorker):
-    """Policy: logprobs, and PPO-style updates with a registered policy loss (+ optional KL and entropy terms)."""
+    """Policy: logprobs, and PPO-style updates with a registered policy loss (+ optional KL and entropy terms).
+
+    A mini-batch without `old_logprobs` is the step's only optimizer step (`PPOUpdate.one_optimizer_step`):
+    the weights are those the old logprobs are of, so the training forward's logprobs are taken as
+    them, unless the model has dropout (training mode would then sample other logprobs): then a forward
+    in eval mode computes them first, as the trainer's would. It then has `rollout_logprobs` instead,
+    and reports what the trainer computes from old logprobs: `rollout_logprob_gap` (the mean absolute
+    difference from the engine's) and, with `ref_logprobs`, `old_kl` (their mean KL penalty).
+    """
 
     role = "policy"
+
+    def _complete(self, data: TrainingInputBatch) -> TrainingInputBatch:
+        if "old_logprobs" not in data and self._has_dropout():
+            data["old_logprobs"] = self.forward(data)["logprobs"]
+        return data
+
+    def _has_dropout(self) -> bool:
+        """Whether a module of the model drops anything in training mode (attention dropout included)."""
+        return any(
+            (module.p if isinstance(module, torch.nn.Dropout) else getattr(module, "attention_dropout", 0.0))
+            > 0
+            for module in self.model.modules()
+        )
 
     def _loss(
         self, mb: TrainingInputBatch, layout: TokenLayout, scale: torch.Tensor
     ) -> tuple[torch.Tensor, Metrics]:
         cfg = self.cfg.algorithm
         logprobs, entropy = self._logprobs(layout)
+        old_logprobs = mb["old_logprobs"] if "old_logprobs" in mb else logprobs.detach()
         per_token, metrics = get_policy_loss(cfg.policy_loss)(
             logprobs,
-            mb["old_logprobs"],
+            old_logprobs,
             mb["advantages"],
             mb["loss_mask"],
             eps_clip_low=cfg.eps_clip_low,
@@ -662,6 +688,12 @@ class PolicyWorker(TrainableWorker):
         if "is_weights" in mb:  # off-policy correction of the policy-gradient term (trainer-computed)
             per_token = per_token * mb["is_weights"]
         metrics["entropy"] = masked_mean(entropy, mb["loss_mask"]).detach()
+        if "rollout_logprobs" in mb:  # the driver has no old logprobs: its metrics of them come from here
+            gap = (mb["rollout_logprobs"] - old_logprobs).abs()
+            metrics["rollout_logprob_gap"] = masked_mean(gap, mb["loss_mask"])
+            if "ref_logprobs" in mb:
+                old_kl = kl_penalty(old_logprobs, mb["ref_logprobs"], cfg.kl_estimator)
+                metrics["old_kl"] = masked_mean(old_kl, mb["loss_mask"])
         if cfg.use_kl_loss:
             kl = kl_penalty(logprobs, mb["ref_logprobs"], cfg.kl_estimator) * mb["loss_mask"]
             per_token = per_token + cfg.kl_loss_coef * kl

@@ -67,27 +67,39 @@ def test_gpu_workers_reduce_cpu_tensors_over_gloo_and_cuda_tensors_over_nccl():
     assert process_group_backend("cpu") == "gloo"
 
 
-ENTROPY_SCRIPT = textwrap.dedent(
+# A script's start: `started(cfg)`, a policy worker in this process on the model at argv[1], and `batch`,
+# the rows of one two-turn trajectory with every response token in the loss.
+TWO_TURNS = textwrap.dedent(
     """
     import socket, sys
     import torch
-    from transformers import AutoModelForCausalLM
     from skyrl.train.dataset.preprocess import Trajectory, Turn, collate_sequences, trajectories_to_sequences
     from skyrl.train.schema import TrainerConfig
     from skyrl.train.workers.fsdp_worker import PolicyWorker
 
+    def started(cfg):
+        worker = PolicyWorker(cfg, 0, 1, sys.argv[1])
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        worker.init_process_group("127.0.0.1", port)
+        return worker
+
+    turns = [Turn([5, 6, 7], [8, 9], [0.0, 0.0], [1, 1], 1.0), Turn([5, 6, 7, 8, 9, 4], [3, 2], [0.0] * 2, [1, 1])]
+    batch = collate_sequences(trajectories_to_sequences([Trajectory("p", "p/0", turns)], True), 0)
+    batch["loss_mask"] = batch["response_mask"].float()
+    """
+)
+
+ENTROPY_SCRIPT = TWO_TURNS + textwrap.dedent(
+    """
+    from transformers import AutoModelForCausalLM
+
     path, coeff = sys.argv[1], 0.5
     cfg = TrainerConfig()
     cfg.policy.optimizer.max_grad_norm = 0.0  # unclipped: the two gradients differ by the entropy term alone
-    worker = PolicyWorker(cfg, 0, 1, path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    worker.init_process_group("127.0.0.1", port)
-    turns = [Turn([5, 6, 7], [8, 9], [0.0, 0.0], [1, 1], 1.0), Turn([5, 6, 7, 8, 9, 4], [3, 2], [0.0] * 2, [1, 1])]
-    batch = collate_sequences(trajectories_to_sequences([Trajectory("p", "p/0", turns)], True), 0)
+    worker = started(cfg)
     batch["advantages"] = batch["response_mask"].float()
-    batch["loss_mask"] = batch["response_mask"].float()
 
     def gradient(entropy_coeff):
         worker.cfg.algorithm.entropy_coeff = entropy_coeff
@@ -183,3 +195,46 @@ def test_varlen_and_compiled_workers_train_like_the_plain_one(tiny_model_path):
     """`attn_implementation=varlen` (packed rows) and `model.compile` (decoder layers and LM-head chunks through
     torch.compile) each give the plain worker's logprobs, gradient (entropy term included) and metrics."""
     assert "varlen and compiled train like the plain path" in run_script(COMPILED_SCRIPT, tiny_model_path)
+
+
+ONE_STEP_SCRIPT = TWO_TURNS + textwrap.dedent(
+    """
+    worker = started(TrainerConfig())
+    batch["advantages"] = torch.linspace(-1, 1, batch["response_mask"].numel()).view_as(batch["response_mask"])
+
+    def train(sent, attention_dropout=0.0):
+        # sent: the old logprobs of a separate forward, or (None) the engine's, 0.01 off on every token
+        worker.init_model()
+        for module in worker.model.modules():
+            if hasattr(module, "attention_dropout"):
+                module.attention_dropout = attention_dropout
+        data = batch.select([key for key in batch.keys() if key != "rollout_logprobs"])
+        logprobs = worker.forward(data)["logprobs"]
+        if sent == "old":
+            data["old_logprobs"] = logprobs
+        else:
+            data["rollout_logprobs"] = logprobs + 0.01 * data["loss_mask"]
+        torch.manual_seed(0)  # the same dropout in both
+        metrics = worker.train_mini_batch(data, keep_gradients=True)
+        return worker.gradient_vector(), metrics
+
+    separate, own = train("old"), train("rollout")
+    torch.testing.assert_close(own[0], separate[0], rtol=1e-5, atol=1e-7)
+    assert abs(own[1]["loss"] - separate[1]["loss"]) < 1e-6 and own[1]["ratio_max"] == 1.0
+    assert "rollout_logprob_gap" not in separate[1] and abs(own[1]["rollout_logprob_gap"] - 0.01) < 1e-6
+    # with dropout, training mode samples other logprobs: the worker's own forward in eval mode gives the old ones
+    dropped_separate, dropped_own = train("old", 0.5), train("rollout", 0.5)
+    assert (dropped_separate[0] - separate[0]).abs().max() > 1e-4  # the dropout changes the gradient
+    torch.testing.assert_close(dropped_own[0], dropped_separate[0], rtol=1e-5, atol=1e-7)
+    assert dropped_own[1]["ratio_max"] == dropped_separate[1]["ratio_max"] != 1.0
+    print("one optimizer step trains on its own logprobs like on a separate forward's")
+    """
+)
+
+
+def test_a_mini_batch_sent_without_old_logprobs_trains_like_one_with_them(tiny_model_path):
+    """The step's only optimizer step (`PPOUpdate.one_optimizer_step`): the policy takes its training
+    forward's logprobs as the old ones (a forward in eval mode first when its model has dropout), and
+    reports the gap to the engine's logprobs, which it receives instead."""
+    out = run_script(ONE_STEP_SCRIPT, tiny_model_path)
+    assert "one optimizer step trains on its own logprobs like on a separate forward's" in out
