@@ -272,7 +272,11 @@ def main() -> None:
             print(f"one sequence of {args.length} tokens, {model}")
             for size, (seconds, peak, _) in runs.items():
                 print(f"sp={size}: {seconds:.2f} s/step, peak memory per rank +{peak * mib:.0f} MiB")
-            print(f"ratio sp{args.sp}/sp1 {runs[args.sp][1] / runs[1][1]:.3f}")
+            one_rank = runs[1][1]
+            if one_rank:
+                print(f"ratio sp{args.sp}/sp1 {runs[args.sp][1] / one_rank:.3f}")
+            else:  # a short step stays under the peak the process reached before it (loading the model)
+                print(f"ratio sp{args.sp}/sp1 n/a: one rank's memory did not grow past its earlier peak")
             return
         if args.lora:
             batch = uniform_batch(args.sequences, args.length)

@@ -581,10 +581,7 @@ def test_dp2_layouts_give_the_same_training_through_the_trainer(ray_cluster, tin
 
 
 class CountsPolicyForwards(Trainer):
-    """Counts the policy group's forward calls (`forwards`); with `separate`, computes the old logprobs in a
-    forward of their own even when a step is one optimizer step."""
-
-    separate = False
+    """Counts the policy group's forward calls (`forwards`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -595,46 +592,33 @@ class CountsPolicyForwards(Trainer):
             return forward(*args, **kwargs)
 
         self.policy.forward = counted
-        if self.separate:
-            self.update.one_optimizer_step = lambda step: False
 
 
-class SeparateForward(CountsPolicyForwards):
-    separate = True
-
-
-def test_one_optimizer_step_trains_on_its_own_logprobs_like_on_a_separate_forward(
+def test_one_optimizer_step_per_batch_runs_no_policy_forward_and_reports_its_metrics_from_the_worker(
     ray_cluster, tiny_model_path, tmp_path
 ):
-    """A step of one mini-batch and one epoch skips the policy's forward: the run equals one that
-    computes the old logprobs first, and the gap and KL metrics of them come from the policy worker."""
-    cfg = compose_config(
-        [
-            *SMALL,
-            GREEDY,
-            "trainer.total_steps=2",
-            "trainer.policy_mini_batch_size=4",
-            "trainer.update_epochs_per_batch=1",
-            "trainer.algorithm.use_kl_loss=true",
-            "algorithm=reinforce_pp",  # shaped rewards whitened over the batch: non-zero advantages
-            "environment.config.guess_number.shaped=true",
-        ]
-    )
-    runs = []
-    for cls in (CountsPolicyForwards, SeparateForward):
-        trainer = build(cfg, tmp_path / cls.__name__, tiny_model_path, cls)
-        try:
-            runs.append(trainer.fit())
-        finally:
-            trainer.shutdown()
-        assert trainer.forwards == (2 if cls.separate else 0)
-        assert_documented(runs[-1])
-    for a, b in zip(*runs, strict=True):
-        assert a["policy/optimizer_steps"] == 1 and a["reward/mean"] == b["reward/mean"]
-        for key in ("policy/loss", "policy/grad_norm", "policy/kl_loss", "kl/mean"):
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
-        assert 0 < a["policy/rollout_logprob_gap"] < 1e-4
-    assert runs[0][-1]["kl/mean"] > 1e-4 and runs[0][-1]["policy/grad_norm"] > 0
+    """A step of one mini-batch and one epoch trains on the training forward's own logprobs (that this
+    equals training on a separate forward's is `test_worker_without_ray`'s subject); the gap to the
+    engine's logprobs and the KL of the old logprobs come from the policy worker."""
+    overrides = [
+        *SMALL,
+        "trainer.total_steps=2",
+        "trainer.policy_mini_batch_size=4",
+        "trainer.update_epochs_per_batch=1",
+        "trainer.algorithm.use_kl_loss=true",
+    ]
+    trainer = build(compose_config(overrides), tmp_path, tiny_model_path, CountsPolicyForwards)
+    try:
+        history = trainer.fit()
+    finally:
+        trainer.shutdown()
+    assert_documented(history)
+    assert trainer.forwards == 0
+    for m in history:
+        assert m["policy/optimizer_steps"] == 1 and 0 < m["policy/rollout_logprob_gap"] < 1e-4
+        # the old logprobs are those the step trained on: their KL is the KL loss's
+        assert m["kl/mean"] == pytest.approx(m["policy/kl_loss"], rel=1e-5, abs=1e-9)
+    assert history[-1]["kl/mean"] > 1e-4
 
 
 def test_pad_fraction_counts_the_rows_added_to_reach_the_dp_size():

@@ -199,7 +199,10 @@ def test_varlen_and_compiled_workers_train_like_the_plain_one(tiny_model_path):
 
 ONE_STEP_SCRIPT = TWO_TURNS + textwrap.dedent(
     """
-    worker = started(TrainerConfig())
+    import math
+    cfg = TrainerConfig()
+    cfg.algorithm.use_kl_loss = True
+    worker = started(cfg)
     batch["advantages"] = torch.linspace(-1, 1, batch["response_mask"].numel()).view_as(batch["response_mask"])
 
     def train(sent, attention_dropout=0.0):
@@ -210,6 +213,7 @@ ONE_STEP_SCRIPT = TWO_TURNS + textwrap.dedent(
                 module.attention_dropout = attention_dropout
         data = batch.select([key for key in batch.keys() if key != "rollout_logprobs"])
         logprobs = worker.forward(data)["logprobs"]
+        data["ref_logprobs"] = logprobs - 0.2 * data["loss_mask"]
         if sent == "old":
             data["old_logprobs"] = logprobs
         else:
@@ -222,6 +226,8 @@ ONE_STEP_SCRIPT = TWO_TURNS + textwrap.dedent(
     torch.testing.assert_close(own[0], separate[0], rtol=1e-5, atol=1e-7)
     assert abs(own[1]["loss"] - separate[1]["loss"]) < 1e-6 and own[1]["ratio_max"] == 1.0
     assert "rollout_logprob_gap" not in separate[1] and abs(own[1]["rollout_logprob_gap"] - 0.01) < 1e-6
+    # the KL penalty (k3) of the old logprobs against the reference, 0.2 below them on every token
+    assert "old_kl" not in separate[1] and abs(own[1]["old_kl"] - (math.exp(-0.2) - 1 + 0.2)) < 1e-6
     # with dropout, training mode samples other logprobs: the worker's own forward in eval mode gives the old ones
     dropped_separate, dropped_own = train("old", 0.5), train("rollout", 0.5)
     assert (dropped_separate[0] - separate[0]).abs().max() > 1e-4  # the dropout changes the gradient
@@ -235,6 +241,6 @@ ONE_STEP_SCRIPT = TWO_TURNS + textwrap.dedent(
 def test_a_mini_batch_sent_without_old_logprobs_trains_like_one_with_them(tiny_model_path):
     """The step's only optimizer step (`PPOUpdate.one_optimizer_step`): the policy takes its training
     forward's logprobs as the old ones (a forward in eval mode first when its model has dropout), and
-    reports the gap to the engine's logprobs, which it receives instead."""
+    reports the gap to the engine's logprobs, which it receives instead, and the old logprobs' KL."""
     out = run_script(ONE_STEP_SCRIPT, tiny_model_path)
     assert "one optimizer step trains on its own logprobs like on a separate forward's" in out
