@@ -663,12 +663,13 @@ class PolicyWorker(TrainableWorker):
         return data
 
     def _has_dropout(self) -> bool:
-        """Whether a module of the model drops anything in training mode (attention dropout included)."""
-        return any(
-            (module.p if isinstance(module, torch.nn.Dropout) else getattr(module, "attention_dropout", 0.0))
-            > 0
-            for module in self.model.modules()
-        )
+        """Whether a module of the model drops anything in training mode: a `Dropout` module, or attention
+        dropout that an attention module passes to its kernel as a number (`attention_dropout`)."""
+        for module in self.model.modules():
+            p = getattr(module, "p" if isinstance(module, torch.nn.Dropout) else "attention_dropout", 0.0)
+            if isinstance(p, (int, float)) and p > 0:
+                return True
+        return False
 
     def _loss(
         self, mb: TrainingInputBatch, layout: TokenLayout, scale: torch.Tensor
