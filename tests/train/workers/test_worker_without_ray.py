@@ -206,7 +206,7 @@ ONE_STEP_SCRIPT = TWO_TURNS + textwrap.dedent(
     batch["advantages"] = torch.linspace(-1, 1, batch["response_mask"].numel()).view_as(batch["response_mask"])
 
     def train(sent, attention_dropout=0.0):
-        # sent: the old logprobs of a separate forward, or (None) the engine's, 0.01 off on every token
+        # sent: "old", a separate forward's old logprobs; "rollout", none but the engine's, 0.01 off on every token
         worker.init_model()
         for module in worker.model.modules():
             if hasattr(module, "attention_dropout"):
