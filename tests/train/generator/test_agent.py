@@ -13,7 +13,6 @@ from skyrl.train.dataset.prompt_dataset import parse_rows
 from skyrl.train.generator.agent import AgentGenerator, ClientInfo, turn_rewards
 from skyrl.train.generator.base import generate_checked
 from skyrl.train.generator.rollout import RolloutManager
-from skyrl.train.inference import InferenceEngineClient, InferenceEngineConfig
 from skyrl.train.inference.openai_server import OpenAIServer
 from skyrl.train.schema import EnvironmentConfig, GeneratorConfig, OpenAIServerConfig, SamplingConfig
 from skyrl.train.utils.background_loop import BackgroundLoop
@@ -33,17 +32,14 @@ GUESS = {"n_samples_per_prompt": 2, "max_turns": 4, "max_generate_length": 1, "m
 
 
 @pytest.fixture(scope="module")
-def served(ray_cluster, tiny_model_path):
-    """An hf engine behind an endpoint with an API key, on a loop of its own as in a training run."""
-    cfg = InferenceEngineConfig(backend="hf", device="cpu")
-    client = InferenceEngineClient.from_config(cfg, str(tiny_model_path))
+def served(hf_client, tiny_model_path):
+    """The hf engine behind an endpoint with an API key, on a loop of its own as in a training run."""
     loop = BackgroundLoop()
-    server = OpenAIServer(client, tiny_model_path, OpenAIServerConfig(port=0, api_key="secret"))
+    server = OpenAIServer(hf_client, tiny_model_path, OpenAIServerConfig(port=0, api_key="secret"))
     loop.run(server.start())
     yield loop, server
     loop.run(server.stop())
     loop.close()
-    client.shutdown()
 
 
 @pytest.fixture

@@ -11,6 +11,8 @@ from skyrl.train.inference import SamplingParams, WeightUpdateError
 from skyrl.train.inference.shared_weights import SharedBuffer, packed_nbytes
 from skyrl.train.inference.weights import stream_spec
 
+from ..generator.test_rollout import PROMPTS as EPISODE_PROMPTS
+from ..generator.test_rollout import assert_token_exact, manager
 from .conftest import (
     join_broadcast_sender,
     layer_groups,
@@ -53,6 +55,15 @@ def test_max_tokens_ends_the_response_with_reason_length(client):
     out = generate(client, LOOP_PROMPT, SamplingParams(temperature=0, max_tokens=7))
     assert out.response_ids == [LOOP_PROMPT[-1]] * 7
     assert out.stop_reason == "length"
+
+
+def test_the_rollout_managers_multi_turn_episodes_are_token_exact(client, tokenizer):
+    out = manager(client, tokenizer).generate(EPISODE_PROMPTS[:1])
+    assert len(out.episodes) == 3
+    for episode in out.episodes:
+        assert episode.stop_reason == "done" and episode.num_turns == 3 and episode.reward == 1.0
+        assert_token_exact(episode, tokenizer)
+    assert out.metrics["episode/turns"] == 3.0 and out.metrics["reward/mean"] == 1.0
 
 
 def test_stop_token_id_ends_the_response_and_is_its_last_token(client):
