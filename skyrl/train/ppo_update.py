@@ -28,6 +28,7 @@ from skyrl.train.algorithms import (
     kl_penalty,
     masked_mean,
     off_policy_correction,
+    rollout_logprob_gap,
 )
 from skyrl.train.cluster import WorkerGroups
 from skyrl.train.schema import SkyRLConfig
@@ -125,9 +126,8 @@ class PPOUpdate:
         batch["advantages"], batch["returns"] = advantages, returns
         metrics["advantages/mean"] = float(masked_mean(advantages, batch["loss_mask"]))
         if "old_logprobs" in batch:  # else the policy worker reports it
-            # engine vs trainer logprobs of the same tokens: large means stale engine weights or a mismatch
-            logprob_gap = (batch["rollout_logprobs"] - batch["old_logprobs"]).abs()
-            metrics["policy/rollout_logprob_gap"] = float(masked_mean(logprob_gap, batch["loss_mask"]))
+            gap = rollout_logprob_gap(batch["rollout_logprobs"], batch["old_logprobs"], batch["loss_mask"])
+            metrics["policy/rollout_logprob_gap"] = float(gap)
         if algorithm.off_policy_correction != "none":
             batch["is_weights"], batch["loss_mask"], is_metrics = off_policy_correction(
                 batch["old_logprobs"],

@@ -24,6 +24,7 @@ from skyrl.train.algorithms.losses import (
     off_policy_correction,
     ppo_clip_loss,
     register_policy_loss,
+    rollout_logprob_gap,
     value_loss,
 )
 from skyrl.train.algorithms.reductions import (
@@ -65,5 +66,6 @@ __all__ = [
     "register_policy_loss",
     "reinforce_plus_plus",
     "rloo",
+    "rollout_logprob_gap",
     "value_loss",
 ]

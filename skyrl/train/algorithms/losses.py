@@ -239,6 +239,14 @@ def off_policy_correction(
     return weights * (mask > 0), mask, metrics
 
 
+def rollout_logprob_gap(
+    rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor, loss_mask: torch.Tensor
+) -> torch.Tensor:
+    """Mean |rollout - old| logprob over the loss tokens: the engines' and the trainer's logprobs of the
+    same tokens (`policy/rollout_logprob_gap`; large means stale engine weights or a mismatch)."""
+    return masked_mean((rollout_log_probs - old_log_probs).abs(), loss_mask)
+
+
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 

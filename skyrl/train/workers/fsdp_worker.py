@@ -29,6 +29,7 @@ from skyrl.train.algorithms import (
     loss_scale_for_reduction,
     masked_mean,
     reduction_counts,
+    rollout_logprob_gap,
     value_loss,
 )
 from skyrl.train.schema import (
@@ -690,8 +691,9 @@ class PolicyWorker(TrainableWorker):
             per_token = per_token * mb["is_weights"]
         metrics["entropy"] = masked_mean(entropy, mb["loss_mask"]).detach()
         if "rollout_logprobs" in mb:  # the driver has no old logprobs: its metrics of them come from here
-            gap = (mb["rollout_logprobs"] - old_logprobs).abs()
-            metrics["rollout_logprob_gap"] = masked_mean(gap, mb["loss_mask"])
+            metrics["rollout_logprob_gap"] = rollout_logprob_gap(
+                mb["rollout_logprobs"], old_logprobs, mb["loss_mask"]
+            )
             if "ref_logprobs" in mb:
                 old_kl = kl_penalty(old_logprobs, mb["ref_logprobs"], cfg.kl_estimator)
                 metrics["old_kl"] = masked_mean(old_kl, mb["loss_mask"])
