@@ -396,8 +396,8 @@ class InferenceEngineConfig:
     """Disaggregated only (and an hf engine's torch threads on CPU); colocated engines take a share of a
     bundle and, taking turns with the workers, use its `cpus_per_worker` threads."""
     hf_batch_wait_s: float = 0.005
-    """The `hf` engine keeps collecting requests while they keep arriving within this window before it
-    starts a batch."""
+    """The `hf` engine starts a batch once no request has arrived for this long, so that requests
+    arriving together become one batch."""
     max_concurrent_requests: int = 1024
     """Requests the client has in flight over all engines."""
     weight_sync: str = "auto"

@@ -199,19 +199,6 @@ class TrainingInputBatch:
     def to(self, device: torch.device | str) -> TrainingInputBatch:
         return TrainingInputBatch({k: v.to(device) for k, v in self._data.items()}, self._copy_metadata())
 
-    def compact(self) -> TrainingInputBatch:
-        """The same rows whose tensors own exactly their bytes: a slice is a view that would pickle
-        (and `ray.put`) the whole storage it views, so such tensors are copied; others are shared."""
-
-        def own(t: torch.Tensor) -> torch.Tensor:
-            return t.clone() if t.untyped_storage().nbytes() > t.nbytes else t
-
-        data = {
-            k: TensorList([own(t) for t in v]) if isinstance(v, TensorList) else own(v)
-            for k, v in self._data.items()
-        }
-        return TrainingInputBatch(data, self._copy_metadata())
-
     @property
     def nbytes(self) -> int:
         """Bytes of the tensor fields (metadata not counted)."""

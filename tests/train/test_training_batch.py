@@ -67,15 +67,6 @@ def test_setitem_refuses_what_the_constructor_refuses(value):
         batch["x"] = value
 
 
-def test_a_pickled_slice_carries_only_its_rows_once_compacted():
-    batch = TrainingInputBatch({"x": torch.zeros(1000, 100)})
-    view = batch.slice(0, 10)
-    assert len(pickle.dumps(view)) > 100 * view.nbytes  # torch pickles the whole viewed storage
-    compact = view.compact()
-    assert len(pickle.dumps(compact)) < 2 * compact.nbytes
-    assert torch.equal(compact["x"], view["x"]) and compact.nbytes == 10 * 100 * 4
-
-
 def test_merge_joins_the_fields_of_the_same_rows_and_refuses_repeats():
     a, b = make_batch(3).select(["sequences"]), TrainingInputBatch({"extra": torch.ones(3, 1)})
     merged = TrainingInputBatch.merge([a, b])

@@ -181,6 +181,7 @@ class RolloutManager:
         self.tool_calls = ToolCalls(tokenizer, cfg.http_endpoint.tool_parser)
         self.reasoning = Reasoning(tokenizer, cfg.http_endpoint.reasoning_parser)
         self._processes: EnvProcessPool | None = None  # started by the first batch that needs it
+        self._env_classes: dict[str, type[BaseTextEnv]] = {}  # what a thread's `make` built, by name
 
     def close(self) -> None:
         """Stop the env processes, if any (their calls in flight fail)."""
@@ -270,6 +271,12 @@ class RolloutManager:
         process is killed (failing the episodes of its other envs too) and later replaced."""
         if isinstance(env, BaseTextEnv) and getattr(type(env), method) is getattr(BaseTextEnv, method):
             return getattr(env, method)(*args)  # BaseTextEnv's own default returns at once: no thread hop
+        built = self._env_classes.get(args[0]) if env is None else None
+        if built is not None and built.__init__ is BaseTextEnv.__init__:
+            try:  # so does its constructor, once a thread's `make` has imported the class
+                return built(*args[1:])
+            except Exception as e:
+                raise EnvFailure(f"make({args[0]}) raised {type(e).__name__}: {e}") from e
         if isinstance(pool, EnvProcessPool):
             name = "make" if env is None else getattr(env.cls, method).__qualname__
             future = pool.make(*args) if env is None else pool.call(env, method, *args)
@@ -280,7 +287,7 @@ class RolloutManager:
         deadline = asyncio.timeout(self.env.timeout_s)
         try:
             async with deadline:
-                return await asyncio.wrap_future(future)
+                result = await asyncio.wrap_future(future)
         except Exception as e:
             if deadline.expired():
                 message = f"{name} did not return within environment.timeout_s={self.env.timeout_s}"
@@ -290,6 +297,9 @@ class RolloutManager:
             if isinstance(pool, EnvProcessPool):
                 raise  # the pool's EnvFailure names the call already
             raise EnvFailure(f"{name} raised {type(e).__name__}: {e}") from e
+        if env is None and isinstance(result, BaseTextEnv):
+            self._env_classes[args[0]] = type(result)
+        return result
 
     async def _episode(
         self,

@@ -194,6 +194,7 @@ class HFEngine(InferenceEngine):
         self._abort = threading.Event()
         self._queue: list[_Request] = []
         self._work: asyncio.Event | None = None
+        self._last_arrival = 0.0  # the event loop's time of the newest request
         self._num_in_flight = 0
         self._weight_version = 0
         self._num_served = 0
@@ -218,6 +219,7 @@ class HFEngine(InferenceEngine):
             prompt, sampling_params, asyncio.get_running_loop().create_future(), self._weight_version
         )
         self._queue.append(request)
+        self._last_arrival = asyncio.get_running_loop().time()
         if self._work is None:
             self._work = asyncio.Event()
             asyncio.get_running_loop().create_task(self._serve_loop())
@@ -233,12 +235,12 @@ class HFEngine(InferenceEngine):
         loop = asyncio.get_running_loop()
         while True:
             await self._work.wait()
-            # Keep collecting while requests keep arriving, so a burst becomes one batch.
+            # Keep collecting until no request has arrived for the window, so a burst becomes one batch.
             while len(self._queue) < self._cfg.max_num_seqs:
-                seen = len(self._queue)
-                await asyncio.sleep(self._cfg.hf_batch_wait_s)
-                if len(self._queue) == seen:
+                quiet = loop.time() - self._last_arrival
+                if quiet >= self._cfg.hf_batch_wait_s:
                     break
+                await asyncio.sleep(self._cfg.hf_batch_wait_s - quiet)
             batch = [r for r in self._queue[: self._cfg.max_num_seqs] if not r.future.done()]
             self._queue = self._queue[self._cfg.max_num_seqs :]
             if not self._queue:

@@ -26,6 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from skyrl.train.schema import TrainerConfig
 from skyrl.train.training_batch import TrainingInputBatch
+from skyrl.train.utils.ray_tensors import register_tensor_serializer
 from skyrl.train.workers.dispatch import MeshDispatch, StagedMiniBatch
 from skyrl.train.workers.fsdp_worker import FSDPWorker
 
@@ -165,9 +166,14 @@ class ActorGroup:
             ).remote(cfg, rank, num_workers, model_path, **worker_kwargs)
             for rank in range(num_workers)
         ]
+        register_tensor_serializer()  # batches go out of this process, outputs and weights out of the ranks
+        serializers = [
+            actor.__ray_call__.remote(lambda _: register_tensor_serializer()) for actor in self.actors
+        ]
         # rank 0's address reaches every rank's init_process_group as object refs: nothing blocks here
         address = self.actors[0].__ray_call__.options(num_returns=2).remote(lambda _: node_free_port())
         self._starting = [
+            ("register_tensor_serializer", serializers),
             ("init_process_group", [actor.init_process_group.remote(*address) for actor in self.actors]),
             ("init_model", [actor.init_model.remote() for actor in self.actors]),
         ]

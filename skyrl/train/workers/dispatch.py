@@ -63,8 +63,8 @@ def _put_parts(
 ) -> tuple[list[list[Slot]], list[int]]:
     """Every mini-batch of `padded` split by its `rows`, one put per rank (or whole, `delayed`: one put):
     per mini-batch its slots by rank, and the bytes put for it."""
-    shares = [  # compact: a view would put the whole storage it views
-        [share.compact() for share in ([mini] if delayed else [mini.select_rows(r) for r in split])]
+    shares = [  # a view puts only its own elements (`register_tensor_serializer`, which actor groups call)
+        [mini] if delayed else [mini.select_rows(r) for r in split]
         for mini, split in zip(padded, rows, strict=True)
     ]
     refs = [ray.put([ranks[rank] for ranks in shares]) for rank in range(len(shares[0]))] if shares else []

@@ -128,6 +128,21 @@ def test_an_env_call_past_its_timeout_fails_its_episode_and_does_not_hold_up_the
     assert fine.stop_reason == "done" and fine.reward == 1.0
 
 
+def test_an_env_with_base_text_envs_constructor_is_built_without_a_thread_once_one_has_imported_it(
+    hf_client, tokenizer
+):
+    """BaseTextEnv's constructor returns at once, as its default methods do: after the first batch such
+    envs are built on the event loop (the first turns of a batch reach the engine together). A
+    constructor of the env's own may block: it always runs on an env thread, under the timeout."""
+    for name, threads_later in [("WhereBuiltEnv", False), ("WhereBuiltOwnInitEnv", True)]:
+        mgr = manager(hf_client, tokenizer, env_class=f"tests.envs.user_envs:{name}", max_turns=1)
+        for batch in range(2):
+            user_envs.BUILT_ON.clear()
+            assert len(mgr.generate(PROMPTS).episodes) == 6
+            on_threads = [t.startswith("skyrl-env") for t in user_envs.BUILT_ON]
+            assert on_threads == [batch == 0 or threads_later] * 6, (name, batch, user_envs.BUILT_ON)
+
+
 def test_too_many_env_failures_fail_the_step_quoting_the_error(hf_client, tokenizer):
     mgr = manager(hf_client, tokenizer, env_class=FLAKY, max_env_failure_fraction=0.25)
     with pytest.raises(RuntimeError, match=r"3 of 6 episodes failed .* simulated env crash"):
