@@ -18,19 +18,8 @@ class NotAnEnv:
     pass
 
 
-BUILT_ON: list[str] = []  # the threads WhereBuiltEnv instances were constructed on
-
-
-class WhereBuiltEnv(EchoLengthEnv):
-    """An EchoLengthEnv (BaseTextEnv's constructor) that records the thread each instance is built on."""
-
-    def __new__(cls, *args, **kwargs):
-        BUILT_ON.append(threading.current_thread().name)
-        return super().__new__(cls)
-
-
-class WhereBuiltOwnInitEnv(WhereBuiltEnv):
-    """A WhereBuiltEnv with a constructor of its own."""
+class OwnInitEnv(EchoLengthEnv):
+    """An EchoLengthEnv with a constructor of its own."""
 
     def __init__(self, env_config=None, extras=None):
         super().__init__(env_config, extras)

@@ -34,7 +34,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from skyrl.envs import BaseTextEnv, make
+from skyrl.envs import BaseTextEnv, make, resolve
 from skyrl.envs.base import ToolCall
 from skyrl.train.dataset.preprocess import Trajectory, Turn, prefix_consistent
 from skyrl.train.dataset.prompt_dataset import PromptRow
@@ -266,15 +266,17 @@ class RolloutManager:
     ) -> Any:
         """`env.<method>(*args)`, or with `env=None` and `method="make"` a new env (`make(*args)`), in a
         thread of `pool` or in the process that hosts the env (a method a thread-hosted env inherits from
-        `BaseTextEnv` runs inline: it returns at once). Anything it raises, and not returning
-        within `environment.timeout_s`, becomes an `EnvFailure`: a stuck thread is left behind; a stuck
-        process is killed (failing the episodes of its other envs too) and later replaced."""
+        `BaseTextEnv` runs inline: it returns at once; so does building a thread-hosted env whose class
+        has `BaseTextEnv`'s constructor, once a thread has built one). Anything it raises, and not
+        returning within `environment.timeout_s`, becomes an `EnvFailure`: a stuck thread is left behind;
+        a stuck process is killed (failing the episodes of its other envs too) and later replaced."""
         if isinstance(env, BaseTextEnv) and getattr(type(env), method) is getattr(BaseTextEnv, method):
             return getattr(env, method)(*args)  # BaseTextEnv's own default returns at once: no thread hop
         built = self._env_classes.get(args[0]) if env is None else None
-        if built is not None and built.__init__ is BaseTextEnv.__init__:
-            try:  # so does its constructor, once a thread's `make` has imported the class
-                return built(*args[1:])
+        if built is not None:  # so does its constructor, once a thread's `make` has imported the class
+            try:
+                if resolve(args[0]) is built and _base_constructor(built):
+                    return built(*args[1:])
             except Exception as e:
                 raise EnvFailure(f"make({args[0]}) raised {type(e).__name__}: {e}") from e
         if isinstance(pool, EnvProcessPool):
@@ -397,6 +399,16 @@ class RolloutManager:
 
     def _placeholder(self, row: PromptRow) -> list[Turn]:
         return self.template.placeholder(row.prompt, self.client.weight_version)
+
+
+def _base_constructor(cls: type) -> bool:
+    """Whether building `cls` runs only `BaseTextEnv`'s own constructor (nothing of the env's: no
+    `__init__`, `__new__` or metaclass of its own)."""
+    return (
+        cls.__init__ is BaseTextEnv.__init__
+        and cls.__new__ is BaseTextEnv.__new__
+        and type(cls) is type(BaseTextEnv)
+    )
 
 
 def batch_settings(

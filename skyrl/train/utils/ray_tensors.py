@@ -6,7 +6,8 @@ small tensors (a `TensorList` holds one per row), so that is milliseconds a step
 numpy array: pickle 5 passes it out of band, without a copy) a tensor costs a few microseconds and
 carries only its own elements. The receiver gets a tensor of its own (a copy, writable), with the
 sender's dtype and shape; the reverse of a view's sharing is not kept, which nothing sends across
-processes. Other tensors (on an accelerator, needing grad, sparse, quantized, complex) go as before.
+processes. Other tensors (on an accelerator, needing grad, sparse, nested, quantized, complex, with
+the negative bit) go as before.
 """
 
 from __future__ import annotations
@@ -21,7 +22,13 @@ def _plain(tensor: torch.Tensor) -> bool:
     return (
         tensor.device.type == "cpu"
         and tensor.layout == torch.strided
-        and not (tensor.requires_grad or tensor.is_quantized or tensor.is_complex())
+        and not (
+            tensor.requires_grad
+            or tensor.is_quantized
+            or tensor.is_complex()
+            or tensor.is_nested
+            or tensor.is_neg()
+        )
     )
 
 

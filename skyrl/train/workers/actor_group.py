@@ -70,6 +70,10 @@ def create_placement_group(
     return pg
 
 
+def _register_serializer(_: Any) -> None:
+    register_tensor_serializer()  # in a rank's process: its outputs and weights
+
+
 def pin_to_cores(actors: Sequence[tuple[Any, int]], cores: list[int] | None = None) -> list[int] | None:
     """Give each `(actor, n)` `n` cores of its own (every thread of its process), in order from the
     first of `cores` (default: the cores this process may use), and move this process and its other
@@ -166,17 +170,18 @@ class ActorGroup:
             ).remote(cfg, rank, num_workers, model_path, **worker_kwargs)
             for rank in range(num_workers)
         ]
-        register_tensor_serializer()  # batches go out of this process, outputs and weights out of the ranks
-        serializers = [
-            actor.__ray_call__.remote(lambda _: register_tensor_serializer()) for actor in self.actors
-        ]
         # rank 0's address reaches every rank's init_process_group as object refs: nothing blocks here
         address = self.actors[0].__ray_call__.options(num_returns=2).remote(lambda _: node_free_port())
         self._starting = [
-            ("register_tensor_serializer", serializers),
             ("init_process_group", [actor.init_process_group.remote(*address) for actor in self.actors]),
             ("init_model", [actor.init_model.remote() for actor in self.actors]),
+            # after them (a failed start is reported by its own call), before anything a rank sends
+            (
+                "register_tensor_serializer",
+                [a.__ray_call__.remote(_register_serializer) for a in self.actors],
+            ),
         ]
+        register_tensor_serializer()  # batches go out of this process
         if wait:
             self.wait_until_ready()
 

@@ -2,11 +2,12 @@
 every backend: the engine contract's tests)."""
 
 import re
+import threading
 
 import psutil
 import pytest
 
-from skyrl.envs import guess_number
+from skyrl.envs import BaseTextEnv, guess_number
 from skyrl.train.dataset.preprocess import trajectories_to_sequences
 from skyrl.train.dataset.prompt_dataset import parse_rows
 from skyrl.train.generator.rollout import ChatTemplateDelta, RolloutManager, allowed_token_ids
@@ -129,18 +130,26 @@ def test_an_env_call_past_its_timeout_fails_its_episode_and_does_not_hold_up_the
 
 
 def test_an_env_with_base_text_envs_constructor_is_built_without_a_thread_once_one_has_imported_it(
-    hf_client, tokenizer
+    hf_client, tokenizer, monkeypatch
 ):
     """BaseTextEnv's constructor returns at once, as its default methods do: after the first batch such
     envs are built on the event loop (the first turns of a batch reach the engine together). A
     constructor of the env's own may block: it always runs on an env thread, under the timeout."""
-    for name, threads_later in [("WhereBuiltEnv", False), ("WhereBuiltOwnInitEnv", True)]:
+    built_on = []  # the thread of every BaseTextEnv.__init__
+    original = BaseTextEnv.__init__
+
+    def recording_init(self, *args):
+        built_on.append(threading.current_thread().name)
+        original(self, *args)
+
+    monkeypatch.setattr(BaseTextEnv, "__init__", recording_init)
+    for name, threads_later in [("EchoLengthEnv", False), ("OwnInitEnv", True)]:
         mgr = manager(hf_client, tokenizer, env_class=f"tests.envs.user_envs:{name}", max_turns=1)
         for batch in range(2):
-            user_envs.BUILT_ON.clear()
+            built_on.clear()
             assert len(mgr.generate(PROMPTS).episodes) == 6
-            on_threads = [t.startswith("skyrl-env") for t in user_envs.BUILT_ON]
-            assert on_threads == [batch == 0 or threads_later] * 6, (name, batch, user_envs.BUILT_ON)
+            on_threads = [t.startswith("skyrl-env") for t in built_on]
+            assert on_threads == [batch == 0 or threads_later] * 6, (name, batch, built_on)
 
 
 def test_too_many_env_failures_fail_the_step_quoting_the_error(hf_client, tokenizer):

@@ -32,13 +32,14 @@ def registered(ray_cluster):
 @pytest.mark.parametrize("name", TENSORS)
 def test_a_cpu_tensor_arrives_equal_as_a_tensor_of_its_own(registered, name):
     sent = TENSORS[name]
+    before = sent.clone()
     got = _round_trip(registered, sent)
     assert type(got) is torch.Tensor
     assert got.dtype == sent.dtype and got.shape == sent.shape
     assert torch.equal(got, sent)
     assert got.untyped_storage().nbytes() == sent.nbytes  # a view's elements only, not its storage
     got.add_(1) if got.dtype != torch.bool else got.logical_not_()  # writable, and not the sender's
-    assert torch.equal(TENSORS[name], sent)
+    assert torch.equal(sent, before) and (got.numel() == 0 or not torch.equal(got, sent))
 
 
 def test_it_travels_as_bytes_not_through_torch_load(registered):
@@ -63,12 +64,18 @@ def test_tensors_needing_grad_and_parameters_travel_as_torch_pickles_them(regist
 
 
 def test_a_process_that_did_not_register_reads_them_and_one_that_did_sends_them(registered):
+    """A Ray worker process reads the bytes this process sent; it sends them itself once registered."""
+
     @registered.remote
-    def double(t: torch.Tensor, register: bool) -> torch.Tensor:
+    def double(t: torch.Tensor, register: bool) -> tuple[torch.Tensor, bool]:
+        from ray._private.worker import global_worker
+
         if register:
             register_tensor_serializer()
-        return t * 2
+        data = global_worker.get_serialization_context().serialize(t * 2).to_bytes()
+        return t * 2, b"ray_tensors" in data
 
     sent = TENSORS["bfloat16"]
     for register in (False, True):
-        assert torch.equal(registered.get(double.remote(sent, register)), sent * 2)
+        doubled, as_bytes = registered.get(double.remote(sent, register))
+        assert torch.equal(doubled, sent * 2) and as_bytes == register
