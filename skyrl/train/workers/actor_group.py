@@ -70,6 +70,10 @@ def create_placement_group(
     return pg
 
 
+def _done_and(worker: Any, method: str, *args: Any) -> tuple[None, Any]:
+    return None, getattr(worker, method)(*args)
+
+
 def _register_serializer(_: Any) -> None:
     register_tensor_serializer()  # in a rank's process: its outputs and weights
 
@@ -332,10 +336,13 @@ class ActorGroup:
     def rank0_ref(self, method: str, *args: Any) -> ray.ObjectRef:
         """Rank 0's result of the collective `method(*args)` (e.g. `full_state_dict`), left in the object
         store (engines fetch it without a driver copy)."""
-        refs = [getattr(actor, method).remote(*args) for actor in self.actors]
-        self._wait(refs, method)  # a collective: every rank must finish
-        self._raise_if_dead(list(range(self.num_workers)), method)  # results are not fetched here
-        return refs[0]
+        # each rank returns (None, result): fetching the Nones tells a failed or dead rank apart, not the results
+        pairs = [
+            actor.__ray_call__.options(num_returns=2).remote(_done_and, method, *args)
+            for actor in self.actors
+        ]
+        self._get([done for done, _ in pairs], method)  # a collective: every rank must finish
+        return pairs[0][1]
 
     def kill(self) -> None:
         for actor in self.actors:
