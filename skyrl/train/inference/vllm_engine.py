@@ -55,6 +55,12 @@ class VLLMEngine(InferenceEngine):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         self._model_path = str(model_path)
         self._on_gpu = torch.cuda.is_available()
+        self._eager = (not self._on_gpu) if cfg.enforce_eager is None else cfg.enforce_eager
+        if not self._on_gpu and self._eager:
+            # Read by torch as vLLM's modules load (and by its tensor-parallel worker processes): an eager CPU
+            # engine then runs vLLM's few compiled helpers (the sampled tokens' logprob ranks) eagerly, to the
+            # same integers, instead of paying ~2 s of inductor set-up on its first request with logprobs.
+            os.environ["TORCHDYNAMO_DISABLE"] = "1"
         self._sleep_enabled = self._on_gpu and cfg.enable_sleep_mode
         if (
             not self._on_gpu
@@ -99,7 +105,7 @@ class VLLMEngine(InferenceEngine):
         args = EngineArgs(
             model=self._model_path,
             dtype="float32" if cfg.dtype == "auto" and not self._on_gpu else cfg.dtype,
-            enforce_eager=(not self._on_gpu) if cfg.enforce_eager is None else cfg.enforce_eager,
+            enforce_eager=self._eager,
             tensor_parallel_size=cfg.tensor_parallel_size,
             distributed_executor_backend="uni" if cfg.tensor_parallel_size == 1 else "mp",
             gpu_memory_utilization=cfg.gpu_memory_utilization,

@@ -116,6 +116,20 @@ def test_logprobs_off_returns_none(client):
     assert out.logprobs is None and len(out.response_ids) >= 1
 
 
+def compiled_frames(_engine) -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["total"]
+
+
+def test_a_cpu_engine_serves_logprobs_without_compiling(client):
+    """vLLM compiles a helper of its sampler (the sampled tokens' logprob ranks); an eager CPU engine runs
+    it eagerly, as its first request with logprobs would otherwise take ~2 s of inductor set-up."""
+    out = generate(client, PROMPTS[0], SamplingParams(temperature=1.0, max_tokens=4))
+    assert out.logprobs is not None
+    assert ray.get(client.engines[0].__ray_call__.remote(compiled_frames)) == 0
+
+
 def test_update_weights_switches_to_the_perturbed_model(client, reference_model):
     perturbed = perturbed_copy(reference_model)
     # 300 tokens fill whole KV blocks (128 tokens on CPU), so a stale prefix cache would be reused after the update.
