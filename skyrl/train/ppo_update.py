@@ -7,10 +7,11 @@ controller's coefficient is its checkpointed state), the estimator and the off-p
 correction; `train` runs `update_epochs_per_batch` passes of one optimizer step per
 mini-batch, critic first, and stops the run after too many non-finite steps in a row.
 
-A step of one optimizer step (one mini-batch, one epoch) whose advantages do not read the old
-logprobs (no KL penalty in the reward, no off-policy correction) skips the policy's forward: its
-training forward runs on the same weights, so the policy worker takes its own logprobs as the old
-ones (`PolicyWorker`), and reports the rollout logprob gap and the KL of the old logprobs itself.
+A step whose advantages do not read the old logprobs (no KL penalty in the reward, no off-policy
+correction) runs no policy forward of its own: the policy worker computes them in the training call,
+before its first optimizer step, as the forward would (a step of one optimizer step takes its training
+forward's own; `PolicyWorker`), and reports the rollout logprob gap and the KL of the old logprobs
+itself. Each worker group trains all epochs of a step in one call.
 """
 
 from __future__ import annotations
@@ -58,23 +59,18 @@ class PPOUpdate:
         self.kl_ctrl.value = state["kl_coef"]
         self._skipped_in_a_row = {"policy": 0, "critic": 0}
 
-    def one_optimizer_step(self, step: StepBatch) -> bool:
-        """Whether `step` trains the policy in one optimizer step and nothing before it reads the old
-        logprobs: then the training forward gives them (see the module docstring)."""
-        trainer, algorithm = self.cfg.trainer, self.cfg.trainer.algorithm
-        return (
-            trainer.update_epochs_per_batch == 1
-            and len(step.bounds(trainer.policy_mini_batch_size)) == 1
-            and not algorithm.use_kl_in_reward
-            and algorithm.off_policy_correction == "none"
-        )
+    def old_logprobs_on_worker(self) -> bool:
+        """Whether nothing before training reads the old logprobs: then the policy worker computes them
+        in the training call (see the module docstring)."""
+        algorithm = self.cfg.trainer.algorithm
+        return not algorithm.use_kl_in_reward and algorithm.off_policy_correction == "none"
 
     def forward(self, step: StepBatch) -> None:
-        """Old policy logprobs (unless `one_optimizer_step`), reference logprobs and critic values of every
-        row, into `step.rows`."""
+        """Old policy logprobs (unless `old_logprobs_on_worker`), reference logprobs and critic values of
+        every row, into `step.rows`."""
         trainer, groups, rows = self.cfg.trainer, self.groups, step.rows
         policy_staged = step.stage(groups.policy, trainer.policy_mini_batch_size)
-        if not self.one_optimizer_step(step):
+        if not self.old_logprobs_on_worker():
             rows["old_logprobs"] = groups.policy.forward(policy_staged)["logprobs"]
         if groups.ref is not None:
             staged = step.stage(groups.ref, trainer.policy_mini_batch_size)
@@ -143,10 +139,11 @@ class PPOUpdate:
         return metrics
 
     def train(self, step: StepBatch) -> dict[str, float]:
-        """`update_epochs_per_batch` passes over the mini-batches: critic, then policy, one optimizer
-        step per mini-batch; metrics over all of them (`combine_optimizer_steps`)."""
+        """`update_epochs_per_batch` passes over the mini-batches, one optimizer step per mini-batch: the
+        critic's, then the policy's (the two do not read each other), each group's in one call; metrics over
+        all of them (`combine_optimizer_steps`)."""
         trainer, groups, rows = self.cfg.trainer, self.groups, step.rows
-        # without old logprobs (`one_optimizer_step`) the worker compares its own with the engine's
+        # without old logprobs (`old_logprobs_on_worker`) the worker compares its own with the engine's
         old = "old_logprobs" if "old_logprobs" in rows else "rollout_logprobs"
         policy_fields = ["loss_mask", old, "advantages"]
         if trainer.algorithm.use_kl_loss:
@@ -158,12 +155,9 @@ class PPOUpdate:
         if groups.critic is not None:
             fields = ["loss_mask", "old_values", "returns"]
             critic = step.stage_fields(groups.critic, trainer.critic_mini_batch_size, fields)
-        history: list[dict[str, float]] = []
-        critic_history: list[dict[str, float]] = []
-        for _ in range(trainer.update_epochs_per_batch):
-            if critic is not None:
-                critic_history += groups.critic.train(critic)
-            history += groups.policy.train(policy)
+        epochs = trainer.update_epochs_per_batch
+        critic_history = groups.critic.train(critic, epochs=epochs) if critic is not None else []
+        history = groups.policy.train(policy, epochs=epochs)
         for role, steps in (("policy", history), ("critic", critic_history)):
             self._skipped_in_a_row[role] = skipped_in_a_row(
                 self._skipped_in_a_row[role], steps, role, trainer.max_consecutive_skipped_steps

@@ -594,17 +594,17 @@ class CountsPolicyForwards(Trainer):
         self.policy.forward = counted
 
 
-def test_one_optimizer_step_per_batch_runs_no_policy_forward_and_reports_its_metrics_from_the_worker(
+def test_a_step_whose_advantages_do_not_read_the_old_logprobs_runs_no_policy_forward(
     ray_cluster, tiny_model_path, tmp_path
 ):
-    """A step of one mini-batch and one epoch trains on the training forward's own logprobs (that this
-    equals training on a separate forward's is `test_worker_without_ray`'s subject); the gap to the
-    engine's logprobs and the KL of the old logprobs come from the policy worker."""
+    """Without a KL penalty in the reward or an off-policy correction the policy worker computes the old
+    logprobs in the training call, which trains every epoch (that this trains like a separate forward's
+    is `test_worker_without_ray`'s subject); the gap to the engine's logprobs and the KL of the old
+    logprobs come from the policy worker."""
     overrides = [
         *SMALL,
         "trainer.total_steps=2",
-        "trainer.policy_mini_batch_size=4",
-        "trainer.update_epochs_per_batch=1",
+        "trainer.update_epochs_per_batch=2",
         "trainer.algorithm.use_kl_loss=true",
     ]
     trainer = build(compose_config(overrides), tmp_path, tiny_model_path, CountsPolicyForwards)
@@ -615,10 +615,9 @@ def test_one_optimizer_step_per_batch_runs_no_policy_forward_and_reports_its_met
     assert_documented(history)
     assert trainer.forwards == 0
     for m in history:
-        assert m["policy/optimizer_steps"] == 1 and 0 < m["policy/rollout_logprob_gap"] < 1e-4
-        # the old logprobs are those the step trained on: their KL is the KL loss's
-        assert m["kl/mean"] == pytest.approx(m["policy/kl_loss"], rel=1e-5, abs=1e-9)
-    assert history[-1]["kl/mean"] > 1e-4
+        assert m["policy/optimizer_steps"] == 4 and 0 < m["policy/rollout_logprob_gap"] < 1e-4
+    # the policy starts as its reference: the first step's old logprobs are the reference's
+    assert abs(history[0]["kl/mean"]) < 1e-9 and history[-1]["kl/mean"] > 1e-4
 
 
 def test_pad_fraction_counts_the_rows_added_to_reach_the_dp_size():

@@ -320,8 +320,9 @@ class ActorGroup:
         return MeshDispatch.gather(staged, outputs[:: self.sp_size])  # a sequence-parallel group's are equal
 
     def train(self, staged: Sequence[StagedMiniBatch], **kwargs: Any) -> list[dict[str, float]]:
-        """One optimizer step per staged mini-batch, in one call per rank; the metrics of each step (equal
-        on every rank); `kwargs` go to every rank's `train_mini_batch` (e.g. `keep_gradients=True`)."""
+        """One optimizer step per staged mini-batch (per epoch: `epochs=N`), in one call per rank; the metrics
+        of each step (equal on every rank); `kwargs` go to every rank's `train_mini_batches` (e.g. `epochs`,
+        `keep_gradients=True`)."""
         return self._run_staged("train_mini_batches", staged, **kwargs)[0]
 
     def save_checkpoint(self, path: str | Path) -> None:

@@ -367,7 +367,6 @@ class FSDPWorker:
         logprobs, _ = self._logprobs(layout, with_entropy=False)
         return {"logprobs": logprobs}
 
-    @torch.no_grad()
     def forward(
         self,
         *parts: Any,
@@ -382,6 +381,11 @@ class FSDPWorker:
         `adapters=False` computes the base model's outputs (LoRA: the reference policy).
         """
         data = TrainingInputBatch.cat(self.rank_rows(parts, picks, dp_size, balance, cost_weight))
+        return self._forward_rows(data, adapters)
+
+    @torch.no_grad()
+    def _forward_rows(self, data: TrainingInputBatch, adapters: bool = True) -> TrainingInputBatch:
+        """`forward`'s outputs of this rank's rows `data`."""
         self.model.eval()
         outputs: dict[str, torch.Tensor] = {}
         micro_batches = self._micro_batches(data, self.cfg.micro_forward_batch_size_per_gpu)
@@ -544,10 +548,6 @@ class TrainableWorker(FSDPWorker, abc.ABC):
         run_steps = self.cfg.optimizer_steps(getattr(self.cfg, f"{self.role}_mini_batch_size"))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(opt, run_steps))
 
-    def _complete(self, data: TrainingInputBatch) -> TrainingInputBatch:
-        """This rank's share of a mini-batch with what its loss reads and the driver did not send."""
-        return data
-
     @abc.abstractmethod
     def _loss(
         self, mb: TrainingInputBatch, layout: TokenLayout, scale: torch.Tensor
@@ -576,9 +576,10 @@ class TrainableWorker(FSDPWorker, abc.ABC):
         micro-batch size. Gradients are freed after the step, or kept until the next
         call with `keep_gradients` (see `gradient_vector`); the CUDA cache stays for the next mini-batch.
         A non-finite loss or gradient norm skips the step: weights, optimizer state, LR schedule and
-        `global_step` stay as they were, and `skipped_steps` is 1.
+        `global_step` stay as they were, and `skipped_steps` is 1. A policy mini-batch without `old_logprobs`
+        takes its training forward's as them (`train_mini_batches` fills them in first where that is not exact).
         """
-        data = self._complete(self._own_part(TrainingInputBatch.merge(parts), dp_size, balance, cost_weight))
+        data = self._own_part(TrainingInputBatch.merge(parts), dp_size, balance, cost_weight)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         counts = reduction_counts(data["loss_mask"]).to(self.device)
@@ -626,14 +627,25 @@ class TrainableWorker(FSDPWorker, abc.ABC):
         balance: bool = False,
         cost_weight: float | None = None,
         keep_gradients: bool = False,
+        epochs: int = 1,
     ) -> list[dict[str, float]]:
-        """`train_mini_batch` on this rank's rows of each mini-batch in `parts` (see `rank_rows`), in order:
-        one call for a whole epoch. The metrics of each optimizer step. Then the CUDA caching allocator's
-        free blocks go back to the colocated engines, once: re-allocating them per step costs device time."""
+        """`epochs` passes of `train_mini_batch` over this rank's rows of each mini-batch in `parts` (see
+        `rank_rows`), in order: one call for all of a step's optimizer steps. The metrics of each optimizer
+        step. Then the CUDA caching allocator's free blocks go back to the colocated engines, once:
+        re-allocating them per step costs device time."""
         minis = self.rank_rows(parts, picks, dp_size, balance, cost_weight)
-        metrics = [self.train_mini_batch(mini, keep_gradients=keep_gradients) for mini in minis]
+        self._before_training(minis, len(minis) * epochs)
+        metrics = [
+            self.train_mini_batch(mini, keep_gradients=keep_gradients)
+            for _ in range(epochs)
+            for mini in minis
+        ]
         self._release_cached_memory()
         return metrics
+
+    def _before_training(self, minis: list[TrainingInputBatch], optimizer_steps: int) -> None:
+        """Fills in what the loss of this rank's `minis` reads and the driver did not send, before the first
+        of their `optimizer_steps`."""
 
     def gradient_vector(self) -> torch.Tensor | None:
         """The full flattened gradient of the trained parameters (LoRA: the adapters) of the last
@@ -648,20 +660,26 @@ class TrainableWorker(FSDPWorker, abc.ABC):
 class PolicyWorker(TrainableWorker):
     """Policy: logprobs, and PPO-style updates with a registered policy loss (+ optional KL and entropy terms).
 
-    A mini-batch without `old_logprobs` is the step's only optimizer step (`PPOUpdate.one_optimizer_step`):
-    the weights are those the old logprobs are of, so the training forward's logprobs are taken as
-    them, unless the model has dropout (training mode would then sample other logprobs): then a forward
-    in eval mode computes them first, as the trainer's would. It then has `rollout_logprobs` instead,
-    and reports what the trainer computes from old logprobs: `rollout_logprob_gap` (the mean absolute
-    difference from the engine's) and, with `ref_logprobs`, `old_kl` (their mean KL penalty).
+    Mini-batches sent without `old_logprobs` (`PPOUpdate.old_logprobs_on_worker`: nothing before training
+    reads them) get them here, before the step's first optimizer step: a forward in eval mode over all of
+    them, as the driver's separate forward would compute them. A step of one optimizer step needs none:
+    its weights are those the old logprobs are of, so the training forward's logprobs, detached, are
+    taken as them, unless the model has dropout (training mode would then sample other logprobs). The
+    mini-batches then have `rollout_logprobs` instead, and the worker reports what the trainer computes
+    from old logprobs: `rollout_logprob_gap` (the mean absolute difference from the engine's) and, with
+    `ref_logprobs`, `old_kl` (their mean KL penalty).
     """
 
     role = "policy"
 
-    def _complete(self, data: TrainingInputBatch) -> TrainingInputBatch:
-        if "old_logprobs" not in data and self._has_dropout():
-            data["old_logprobs"] = self.forward(data)["logprobs"]
-        return data
+    def _before_training(self, minis: list[TrainingInputBatch], optimizer_steps: int) -> None:
+        if all("old_logprobs" in mini for mini in minis) or (
+            optimizer_steps == 1 and not self._has_dropout()
+        ):
+            return
+        logprobs = self._forward_rows(TrainingInputBatch.cat(minis))["logprobs"]
+        for mini, old in zip(minis, logprobs.split([len(mini) for mini in minis]), strict=True):
+            mini["old_logprobs"] = old
 
     def _has_dropout(self) -> bool:
         """Whether a module of the model drops anything in training mode: a `Dropout` module, or attention

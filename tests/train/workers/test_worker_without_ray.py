@@ -219,7 +219,7 @@ ONE_STEP_SCRIPT = TWO_TURNS + textwrap.dedent(
         else:
             data["rollout_logprobs"] = logprobs + 0.01 * data["loss_mask"]
         torch.manual_seed(0)  # the same dropout in both
-        metrics = worker.train_mini_batch(data, keep_gradients=True)
+        (metrics,) = worker.train_mini_batches(data, keep_gradients=True)
         return worker.gradient_vector(), metrics
 
     separate, own = train("old"), train("rollout")
@@ -234,13 +234,38 @@ ONE_STEP_SCRIPT = TWO_TURNS + textwrap.dedent(
     torch.testing.assert_close(dropped_own[0], dropped_separate[0], rtol=1e-5, atol=1e-7)
     assert dropped_own[1]["ratio_max"] == dropped_separate[1]["ratio_max"] != 1.0
     print("one optimizer step trains on its own logprobs like on a separate forward's")
+
+    def train_epochs(sent):
+        # two mini-batches (a row each), two epochs: four optimizer steps in one call
+        worker.init_model()
+        data = batch.select([key for key in batch.keys() if key != "rollout_logprobs"])
+        logprobs = worker.forward(data)["logprobs"]  # the driver's forward, of the rows in the same order
+        data["ref_logprobs"] = logprobs - 0.2 * data["loss_mask"]
+        if sent == "old":
+            data["old_logprobs"] = logprobs
+        else:
+            data["rollout_logprobs"] = logprobs + 0.01 * data["loss_mask"]
+        minis = [data.select_rows([0]), data.select_rows([1])]
+        metrics = worker.train_mini_batches(minis, picks=[[(0, 0)], [(0, 1)]], epochs=2, keep_gradients=True)
+        return worker.gradient_vector(), metrics
+
+    separate, own = train_epochs("old"), train_epochs("rollout")
+    assert len(own[1]) == 4 and own[1][0]["ratio_max"] == 1.0 and own[1][2]["ratio_max"] != 1.0
+    assert torch.equal(own[0], separate[0])  # the last step's gradient: the same old logprobs throughout
+    for theirs, ours in zip(separate[1], own[1], strict=True):
+        assert ours["loss"] == theirs["loss"] and ours["ratio_max"] == theirs["ratio_max"]
+        assert abs(ours["rollout_logprob_gap"] - 0.01) < 1e-6 and "rollout_logprob_gap" not in theirs
+    print("a step's optimizer steps train on the worker's old logprobs like on a separate forward's")
     """
 )
 
 
-def test_a_mini_batch_sent_without_old_logprobs_trains_like_one_with_them(tiny_model_path):
-    """The step's only optimizer step (`PPOUpdate.one_optimizer_step`): the policy takes its training
-    forward's logprobs as the old ones (a forward in eval mode first when its model has dropout), and
-    reports the gap to the engine's logprobs, which it receives instead, and the old logprobs' KL."""
+def test_mini_batches_sent_without_old_logprobs_train_like_ones_with_them(tiny_model_path):
+    """Old logprobs the driver does not send (`PPOUpdate.old_logprobs_on_worker`): the step's only
+    optimizer step takes its training forward's (a forward in eval mode first when its model has dropout);
+    a step of several (mini-batches, epochs) gets them from one forward before its first, exactly the
+    driver's. The worker reports the gap to the engine's logprobs, which it receives instead, and the
+    old logprobs' KL."""
     out = run_script(ONE_STEP_SCRIPT, tiny_model_path)
     assert "one optimizer step trains on its own logprobs like on a separate forward's" in out
+    assert "a step's optimizer steps train on the worker's old logprobs like on a separate forward's" in out
