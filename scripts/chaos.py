@@ -65,18 +65,19 @@ def hang_when_armed(step):
 
 
 class Chaos:
-    """The trainer the faults hit now (None while a pre-empted run is being resumed) and when the run's
-    first step started (start-up is left out of the timings)."""
+    """The trainer the faults hit now (None while a pre-empted run is being resumed), when the run's
+    first step started (start-up is left out of the timings) and when its last step so far ended."""
 
     def __init__(self) -> None:
         self.trainer: TimedTrainer | None = None
         self.start: float | None = None
+        self.steps_end: float | None = None
         self.done = False
 
 
 class TimedTrainer(Trainer):
-    """Records the start of the run's first step in `chaos.start`; `stepping` once this process trains
-    (past its resume: its signal handlers are in place)."""
+    """Records the start of the run's first step in `chaos.start` and the end of each in `chaos.steps_end`;
+    `stepping` once this process trains (past its resume: its signal handlers are in place)."""
 
     chaos: Chaos
     stepping = False
@@ -85,7 +86,9 @@ class TimedTrainer(Trainer):
         if self.chaos.start is None:
             self.chaos.start = time.perf_counter()
         self.stepping = True
-        return super().train_step()
+        metrics = super().train_step()
+        self.chaos.steps_end = time.perf_counter()
+        return metrics
 
 
 def build(overrides: list[str], run_dir: Path, chaos: Chaos) -> TimedTrainer:
@@ -214,10 +217,13 @@ def main() -> None:
     GuessNumberEnv.step = hang_when_armed(GuessNumberEnv.step)  # in-process env threads: armed faults only
     ray.init(num_cpus=4, include_dashboard=False, logging_level="warning")
     with tempfile.TemporaryDirectory() as tmp:
-        _, baseline, _ = fit_to_the_end(overrides, Path(tmp) / "undisturbed", Chaos())
+        undisturbed = Chaos()
+        _, baseline, _ = fit_to_the_end(overrides, Path(tmp) / "undisturbed", undisturbed)
         print(f"undisturbed: {args.steps} steps in {baseline:.1f} s", flush=True)
         rng = random.Random(args.seed)
-        offsets = sorted(rng.uniform(0.05, 0.95) * baseline for _ in range(args.kills))
+        # while steps train (not in the final export and shutdown, which a short run's time is mostly)
+        span = undisturbed.steps_end - undisturbed.start
+        offsets = sorted(rng.uniform(0.05, 0.95) * span for _ in range(args.kills))
         # one kind draws nothing: the seeds pick the same kills as before there were kinds
         kinds = (
             [rng.choice(kinds_allowed) for _ in offsets]
