@@ -172,24 +172,32 @@ def collate_sequences(sequences: Sequence[TrainingSequence], pad_token_id: int) 
     """Tensors in the layout of the module docstring."""
     if not sequences:
         raise ValueError("collate_sequences needs at least one sequence")
-    n = len(sequences)
     max_prompt = max(len(s.prompt_ids) for s in sequences)
     max_response = max(len(s.response_ids) for s in sequences)
-    seq = torch.full((n, max_prompt + max_response), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((n, max_prompt + max_response), dtype=torch.long)
-    response_mask = torch.zeros((n, max_response), dtype=torch.long)
-    loss_mask = torch.zeros((n, max_response), dtype=torch.float32)
-    rewards = torch.zeros((n, max_response), dtype=torch.float32)
-    logprobs = torch.zeros((n, max_response), dtype=torch.float32)
-    for i, s in enumerate(sequences):
-        p, r = len(s.prompt_ids), len(s.response_ids)
-        seq[i, max_prompt - p : max_prompt] = torch.tensor(s.prompt_ids, dtype=torch.long)
-        seq[i, max_prompt : max_prompt + r] = torch.tensor(s.response_ids, dtype=torch.long)
-        attention_mask[i, max_prompt - p : max_prompt + r] = 1
-        response_mask[i, :r] = 1
-        loss_mask[i, :r] = torch.tensor(s.loss_mask, dtype=torch.float32)
-        rewards[i, :r] = torch.tensor(s.rewards, dtype=torch.float32)
-        logprobs[i, :r] = torch.tensor(s.logprobs, dtype=torch.float32)
+    prompt_lengths = torch.tensor([len(s.prompt_ids) for s in sequences])
+    response_lengths = torch.tensor([len(s.response_ids) for s in sequences])
+    # each row's real positions; a boolean-mask assignment fills them row by row, left to right, which
+    # is the order of the rows' concatenated tokens (one tensor per field, not one per row)
+    in_prompt = torch.arange(max_prompt) >= max_prompt - prompt_lengths[:, None]
+    in_response = torch.arange(max_response) < response_lengths[:, None]
+
+    def placed(field: str, where: torch.Tensor, fill: float, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.full(where.shape, fill, dtype=dtype)
+        out[where] = torch.tensor([x for s in sequences for x in getattr(s, field)], dtype=dtype)
+        return out
+
+    seq = torch.cat(
+        [
+            placed("prompt_ids", in_prompt, pad_token_id, torch.long),
+            placed("response_ids", in_response, pad_token_id, torch.long),
+        ],
+        1,
+    )
+    attention_mask = torch.cat([in_prompt, in_response], 1).long()
+    response_mask = in_response.long()
+    loss_mask, rewards, logprobs = (
+        placed(field, in_response, 0.0, torch.float32) for field in ("loss_mask", "rewards", "logprobs")
+    )
     batch = TrainingInputBatch(
         {
             "sequences": seq,
