@@ -397,7 +397,7 @@ class InferenceEngineConfig:
     bundle and, taking turns with the workers, use its `cpus_per_worker` threads."""
     hf_batch_wait_s: float = 0.005
     """The `hf` engine starts a batch once no request has arrived for this long, so that requests
-    arriving together become one batch."""
+    arriving together become one batch (at once when a rollout's running episodes all wait for it)."""
     max_concurrent_requests: int = 1024
     """Requests the client has in flight over all engines."""
     weight_sync: str = "auto"

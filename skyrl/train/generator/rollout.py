@@ -39,7 +39,7 @@ from skyrl.envs.base import ToolCall
 from skyrl.train.dataset.preprocess import Trajectory, Turn, prefix_consistent
 from skyrl.train.dataset.prompt_dataset import PromptRow
 from skyrl.train.generator.env_processes import EnvFailure, EnvProcessPool, RemoteEnv
-from skyrl.train.inference.engine import SamplingParams
+from skyrl.train.inference.engine import GenerationOutput, SamplingParams
 from skyrl.train.inference.reasoning import Reasoning
 from skyrl.train.inference.tools import PARSER_KEY, ToolCalls
 from skyrl.train.schema import EnvironmentConfig, GeneratorConfig, SamplingConfig
@@ -226,11 +226,12 @@ class RolloutManager:
         uids, sampling, n = batch_settings(self.cfg, prompts, uids, sampling, n_samples_per_prompt)
         start, parse_failures = time.perf_counter(), self.tool_calls.parse_failures
         pool = self._env_executor()
+        waiting = _Waiting(self.client, len(prompts) * n)
         try:
             # a TaskGroup cancels and awaits every episode if one raises (e.g. a dead engine)
             async with asyncio.TaskGroup() as group:
                 tasks = [
-                    group.create_task(self._episode(row, uid, f"{uid}/{s}", pool, sampling))
+                    group.create_task(self._episode(row, uid, f"{uid}/{s}", pool, sampling, waiting))
                     for row, uid in zip(prompts, uids, strict=True)
                     for s in range(n)
                 ]
@@ -310,6 +311,7 @@ class RolloutManager:
         trajectory_id: str,
         pool: DaemonThreadPool | EnvProcessPool,
         sampling: SamplingConfig,
+        waiting: _Waiting,
     ) -> Episode:
         env_class = row.env_class or self.env.env_class
         turns: list[Turn] = []
@@ -324,9 +326,7 @@ class RolloutManager:
                 if len(context) >= self.cfg.max_input_length:
                     stop_reason = "length"
                     break
-                out = await self.client.generate(
-                    context, self._sampling(len(context), sampling), session_id=trajectory_id
-                )
+                out = await waiting.generate(context, self._sampling(len(context), sampling), trajectory_id)
                 if out.stop_reason == "abort":
                     stop_reason = "abort"
                     break
@@ -356,6 +356,7 @@ class RolloutManager:
                 Trajectory(uid, trajectory_id, turns or self._placeholder(row)), "error", 0.0, str(e)
             )
         finally:
+            waiting.ended()
             self.client.end_session(trajectory_id)
             if env is not None:
                 try:
@@ -399,6 +400,29 @@ class RolloutManager:
 
     def _placeholder(self, row: PromptRow) -> list[Turn]:
         return self.template.placeholder(row.prompt, self.client.weight_version)
+
+
+class _Waiting:
+    """A batch's running episodes and how many of them wait for the engines. Once all that run wait, no
+    request comes until outputs return: the engines are told to start what they hold
+    (`InferenceEngineClient.flush`) instead of waiting for more."""
+
+    def __init__(self, client: Any, running: int):
+        self.client, self.running, self.waiting = client, running, 0
+
+    async def generate(self, context: list[int], params: SamplingParams, session_id: str) -> GenerationOutput:
+        self.waiting += 1
+        try:
+            return await self.client.generate(
+                context, params, session_id=session_id, flush=self.waiting == self.running
+            )
+        finally:
+            self.waiting -= 1
+
+    def ended(self) -> None:
+        self.running -= 1
+        if self.waiting and self.waiting == self.running:
+            self.client.flush()
 
 
 def _base_constructor(cls: type) -> bool:

@@ -122,14 +122,20 @@ class InferenceEngine(abc.ABC):
         `RuntimeError` while the engine is asleep or after it failed."""
 
     async def generate_batch(
-        self, prompts: Sequence[Sequence[int]], sampling_params: Sequence[SamplingParams]
+        self, prompts: Sequence[Sequence[int]], sampling_params: Sequence[SamplingParams], flush: bool = False
     ) -> list[GenerationOutput | Exception]:
         """`generate` for many requests in one call (one Ray round trip instead of one per request);
-        the slot of a request that failed holds its exception."""
+        the slot of a request that failed holds its exception. `flush`: the caller's hint that these are
+        all it sends until some return (see `flush`); it travels with them because Ray may start an async
+        actor's calls out of order. An engine that starts requests at once ignores it."""
         return await asyncio.gather(
             *(self.generate(p, s) for p, s in zip(prompts, sampling_params, strict=True)),
             return_exceptions=True,
         )
+
+    async def flush(self) -> None:  # noqa: B027 (engines that start requests at once need nothing)
+        """No request follows until some in flight return: start the queued ones now rather than wait for
+        more (the `hf` engine's batching window). A hint; requests are served either way."""
 
     @abc.abstractmethod
     async def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:

@@ -12,6 +12,7 @@ so a weight update waits for the running batch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import threading
 from collections.abc import Sequence
@@ -193,7 +194,9 @@ class HFEngine(InferenceEngine):
         self._sync_device = self._device
         self._abort = threading.Event()
         self._queue: list[_Request] = []
-        self._work: asyncio.Event | None = None
+        self._work: asyncio.Event | None = None  # set while requests are queued
+        self._serving: asyncio.Task | None = None  # the loop that batches them
+        self._flushing = asyncio.Event()  # set by `flush` while requests are queued
         self._last_arrival = 0.0  # the event loop's time of the newest request
         self._num_in_flight = 0
         self._weight_version = 0
@@ -209,38 +212,66 @@ class HFEngine(InferenceEngine):
     async def generate(
         self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams
     ) -> GenerationOutput:
+        return await self._enqueue(prompt_token_ids, sampling_params)
+
+    async def generate_batch(
+        self, prompts: Sequence[Sequence[int]], sampling_params: Sequence[SamplingParams], flush: bool = False
+    ) -> list[GenerationOutput | Exception]:
+        slots: list[asyncio.Future | Exception] = []
+        for prompt, params in zip(prompts, sampling_params, strict=True):
+            try:
+                slots.append(self._enqueue(prompt, params))
+            except Exception as exc:  # this request's slot, as `generate` would raise it
+                slots.append(exc)
+        if flush:
+            await self.flush()
+        futures = [slot for slot in slots if isinstance(slot, asyncio.Future)]
+        try:
+            if futures:
+                await asyncio.wait(futures)
+        except asyncio.CancelledError:  # the caller gave up: so do its requests (the batch skips them)
+            for future in futures:
+                future.cancel()
+            raise
+        return [slot if isinstance(slot, Exception) else slot.exception() or slot.result() for slot in slots]
+
+    def _enqueue(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams) -> asyncio.Future:
+        """Validate and queue one request; its future gets the output."""
         self._check_serving()
         prompt = validate_prompt(
             prompt_token_ids, self._vocab_size, self._max_model_len, sampling_params.allowed_token_ids
         )
         if sampling_params.grammar is not None:
             self._compiled(sampling_params.grammar)
-        request = _Request(
-            prompt, sampling_params, asyncio.get_running_loop().create_future(), self._weight_version
-        )
+        loop = asyncio.get_running_loop()
+        request = _Request(prompt, sampling_params, loop.create_future(), self._weight_version)
         self._queue.append(request)
-        self._last_arrival = asyncio.get_running_loop().time()
+        self._last_arrival = loop.time()
         if self._work is None:
             self._work = asyncio.Event()
-            asyncio.get_running_loop().create_task(self._serve_loop())
+            self._serving = loop.create_task(self._serve_loop())
         self._work.set()
         self._num_in_flight += 1
-        try:
-            return await request.future
-        finally:
-            self._num_in_flight -= 1
+        request.future.add_done_callback(self._request_done)
+        return request.future
+
+    def _request_done(self, _: asyncio.Future) -> None:
+        self._num_in_flight -= 1
 
     async def _serve_loop(self) -> None:
         assert self._work is not None
         loop = asyncio.get_running_loop()
         while True:
             await self._work.wait()
-            # Keep collecting until no request has arrived for the window, so a burst becomes one batch.
-            while len(self._queue) < self._cfg.max_num_seqs:
+            # Keep collecting until no request has arrived for the window, so a burst becomes one batch,
+            # unless `flush` says no more will come.
+            while len(self._queue) < self._cfg.max_num_seqs and not self._flushing.is_set():
                 quiet = loop.time() - self._last_arrival
                 if quiet >= self._cfg.hf_batch_wait_s:
                     break
-                await asyncio.sleep(self._cfg.hf_batch_wait_s - quiet)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._flushing.wait(), self._cfg.hf_batch_wait_s - quiet)
+            self._flushing.clear()
             batch = [r for r in self._queue[: self._cfg.max_num_seqs] if not r.future.done()]
             self._queue = self._queue[self._cfg.max_num_seqs :]
             if not self._queue:
@@ -408,6 +439,10 @@ class HFEngine(InferenceEngine):
         self._model.load_state_dict(dict(open_shared(group)), strict=False)
         if group.gpu is not None:  # the copies out of the sender's buffer must end before it is reused
             torch.cuda.current_stream().synchronize()
+
+    async def flush(self) -> None:
+        if self._queue:  # else the queued requests have started: the next ones are a new burst
+            self._flushing.set()
 
     async def reset_prefix_cache(self) -> None:
         """No-op: `generate` keeps no cache across requests."""

@@ -1,6 +1,7 @@
 """The rollout manager against a real tiny model behind a real engine actor (token-exact episodes on
 every backend: the engine contract's tests)."""
 
+import asyncio
 import re
 import threading
 
@@ -11,6 +12,7 @@ from skyrl.envs import BaseTextEnv, guess_number
 from skyrl.train.dataset.preprocess import trajectories_to_sequences
 from skyrl.train.dataset.prompt_dataset import parse_rows
 from skyrl.train.generator.rollout import ChatTemplateDelta, RolloutManager, allowed_token_ids
+from skyrl.train.inference import InferenceEngineClient, InferenceEngineConfig, SamplingParams
 from skyrl.train.schema import EnvironmentConfig, GeneratorConfig, SamplingConfig
 from skyrl.train.utils.errors import ConfigError
 from tests.envs import user_envs
@@ -79,6 +81,32 @@ def test_stepwise_decomposition_of_real_episodes(hf_client, tokenizer):
     assert [s.uid for s in seqs] == ["a"] * 9 + ["b"] * 9
     assert [s.is_last_step for s in seqs[:3]] == [False, False, True]
     assert [s.trajectory_id for s in seqs[:4]] == ["a/0"] * 3 + ["a/1"]
+
+
+def test_an_hf_engine_waits_for_more_requests_unless_told_that_every_episode_waits(
+    ray_cluster, tiny_model_path, tokenizer
+):
+    """The hf engine starts a batch once no request has come for `hf_batch_wait_s`; a rollout tells it when
+    every running episode waits for its turn's output (`InferenceEngineClient.flush`), so the turn starts at
+    once. With a 10-minute window, three turns of six episodes end only if every turn was flushed; a lone
+    request nobody flushes stays queued until a flush."""
+    cfg = InferenceEngineConfig(backend="hf", device="cpu", hf_batch_wait_s=600)
+    client = InferenceEngineClient.from_config(cfg, str(tiny_model_path))
+    try:
+        out = asyncio.run(asyncio.wait_for(manager(client, tokenizer).agenerate(PROMPTS[:1] * 2), 120))
+        assert [e.num_turns for e in out.episodes] == [3] * 6
+
+        async def lone_request():
+            request = asyncio.ensure_future(client.generate([1, 10], SamplingParams(max_tokens=2)))
+            await asyncio.sleep(0.5)
+            queued = not request.done()
+            client.flush()
+            return queued, await asyncio.wait_for(request, 120)
+
+        queued, output = asyncio.run(lone_request())
+        assert queued and output.response_ids
+    finally:
+        client.shutdown()
 
 
 def test_builtin_env_from_config_runs(hf_client, tokenizer):
