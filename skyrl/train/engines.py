@@ -9,7 +9,6 @@ while the endpoint holds new requests and after its requests in progress have fi
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import replace
@@ -19,7 +18,7 @@ from typing import Any
 from skyrl.train.inference import InferenceEngineClient
 from skyrl.train.inference.openai_server import OpenAIServer
 from skyrl.train.schema import OpenAIServerConfig, SkyRLConfig
-from skyrl.train.utils.background_loop import BackgroundLoop
+from skyrl.train.utils.background_loop import BackgroundLoop, run_in_new_loop
 
 ENDPOINT_FILE = "http_endpoint.json"  # the HTTP endpoint's base_url, model and whether it needs a key
 
@@ -74,7 +73,7 @@ class Engines:
 
     def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
         """Run an engine-client coroutine: on the background loop once there is one, else in a new loop."""
-        return self._loop.run(coro) if self._loop else asyncio.run(coro)
+        return self._loop.run(coro) if self._loop else run_in_new_loop(coro)
 
     def serve(self, cfg: OpenAIServerConfig, model_path: str, run_dir: Path) -> None:
         """Serve the engines over HTTP for the whole run; the address goes to the console and to

@@ -43,6 +43,7 @@ from skyrl.train.inference.engine import GenerationOutput, SamplingParams
 from skyrl.train.inference.reasoning import Reasoning
 from skyrl.train.inference.tools import PARSER_KEY, ToolCalls
 from skyrl.train.schema import EnvironmentConfig, GeneratorConfig, SamplingConfig
+from skyrl.train.utils.background_loop import run_in_new_loop
 from skyrl.train.utils.daemon_pool import DaemonThreadPool
 from skyrl.train.utils.errors import ConfigError
 
@@ -207,7 +208,7 @@ class RolloutManager:
         n_samples_per_prompt: int | None = None,
     ) -> GeneratorOutput:
         """Episodes for every prompt x sample, grouped by prompt; see `agenerate`."""
-        return asyncio.run(self.agenerate(prompts, uids, sampling, n_samples_per_prompt))
+        return run_in_new_loop(self.agenerate(prompts, uids, sampling, n_samples_per_prompt))
 
     async def agenerate(
         self,

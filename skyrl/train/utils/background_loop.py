@@ -1,5 +1,6 @@
 """An asyncio event loop on a thread of its own, for engine-client work that outlives one call
-(the rollout stream, the HTTP endpoint): the client is used from one loop at a time."""
+(the rollout stream, the HTTP endpoint): the client is used from one loop at a time. For one call,
+`run_in_new_loop`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,20 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
+
+
+def run_in_new_loop(coro: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run(coro)`, with the result kept out of the loop's main task. Python 3.11's `asyncio.Runner`,
+    in the main thread under the default SIGINT handler, builds an error message at exit that holds the
+    repr of its main task, result included: a whole batch of episodes, token ids and all (47 ms for 256
+    episodes of 1,000 tokens), though nothing shows it."""
+    result: list[T] = []
+
+    async def main() -> None:
+        result.append(await coro)
+
+    asyncio.run(main())
+    return result[0]
 
 
 class BackgroundLoop:
